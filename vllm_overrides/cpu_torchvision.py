@@ -19,11 +19,13 @@ interpreters that never import torchvision never import torch for it). A no-op o
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
 
 PTH_NAME = "vllm_overrides_cpu_torchvision.pth"
+HOOK_MODULE = "_vllm_overrides_cpu_torchvision"
 _SCHEMAS = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
     "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
@@ -82,10 +84,11 @@ def add_import_hook() -> None:
 
 
 def install(site_packages: Path) -> Path:
+    # A standalone copy of this module, so that interpreter start-up does not import (and pin)
+    # the vllm_overrides package: patch_ops.sh must be able to run a checkout's newer copy.
+    shutil.copyfile(__file__, site_packages / f"{HOOK_MODULE}.py")
     pth = site_packages / PTH_NAME
-    pth.write_text(
-        "import vllm_overrides.cpu_torchvision as m; m.add_import_hook()\n", encoding="utf-8"
-    )
+    pth.write_text(f"import {HOOK_MODULE} as m; m.add_import_hook()\n", encoding="utf-8")
     return pth
 
 

