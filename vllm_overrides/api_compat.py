@@ -1,41 +1,175 @@
 """Our OpenAI-compat layer for vLLM's API server, installed by patch 0001 into ``build_app``.
 
-A plain ASGI middleware (no upstream code is replaced): it stamps every response with the
-distribution's version so a client can tell a patched server from a stock one.
+A plain ASGI middleware; no upstream code is replaced. It
+
+- stamps every response with the distribution's version (``x-vllm-overrides-version``), so a
+  client can tell a patched server from a stock one;
+- rewrites or rejects request bodies of the OpenAI endpoints (``request_compat``) before vLLM
+  parses them: rejected requests get an OpenAI-style 400 and never reach the engine;
+- mirrors ``reasoning`` into ``reasoning_content`` in chat answers (``response_compat``), the
+  field most clients and the platform read. Upstream's field stays.
 """
 
 from __future__ import annotations
 
+import json
 from argparse import Namespace
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from vllm_overrides import __version__
+from vllm_overrides.request_compat import (
+    CompatError,
+    ServerLimits,
+    default_max_tokens,
+    normalize_chat_request,
+    normalize_completion_request,
+)
+from vllm_overrides.response_compat import SSEReasoningMirror, add_reasoning_content
 
 VERSION_HEADER = b"x-vllm-overrides-version"
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def _with_header(message: Message, name: bytes, value: bytes) -> Message:
+    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != name]
+    return {**message, "headers": [*headers, (name, value)]}
+
+
+def _server_limits(scope: Scope) -> ServerLimits | None:
+    state = getattr(scope.get("app"), "state", None)
+    vllm_config = getattr(state, "vllm_config", None)
+    if vllm_config is None:
+        return None
+    return ServerLimits(vllm_config.model_config.max_model_len, default_max_tokens())
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, Message | None]:
+    """The whole request body, or the disconnect message that cut it short."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), message
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks), None
 
 
 class CompatMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
 
         async def send_with_version(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                headers.append((VERSION_HEADER, __version__.encode()))
-                message = {**message, "headers": headers}
+                message = _with_header(message, VERSION_HEADER, __version__.encode())
             await send(message)
 
-        await self.app(scope, receive, send_with_version)
+        path = scope.get("path", "")
+        if scope.get("method") != "POST" or path not in (CHAT_PATH, COMPLETIONS_PATH):
+            await self.app(scope, receive, send_with_version)
+            return
+        await self._openai_request(scope, receive, send_with_version, chat=path == CHAT_PATH)
+
+    async def _openai_request(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+        raw, disconnect = await _read_body(receive)
+        if disconnect is not None:
+            return  # the client left before sending its request
+        body = raw
+        limits = _server_limits(scope)
+        try:
+            decoded = json.loads(raw) if raw else None
+        except (ValueError, RecursionError):
+            decoded = None  # not JSON: vLLM's own parser answers with its 400
+        if limits is not None and isinstance(decoded, dict):
+            try:
+                normalize = normalize_chat_request if chat else normalize_completion_request
+                body = json.dumps(normalize(decoded, limits), ensure_ascii=False).encode()
+            except CompatError as exc:
+                await _send_json(send, exc.status, exc.body())
+                return
+
+        delivered = False
+
+        async def replay_body() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # afterwards: disconnect detection, as upstream expects
+
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        await self.app(scope, replay_body, _ReasoningSender(send) if chat else send)
+
+
+class _ReasoningSender:
+    """Wraps ``send`` for chat answers: adds ``reasoning_content`` beside ``reasoning``."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.mode = "pass"  # "json" buffers a whole answer, "sse" rewrites events as they pass
+        self.start: Message | None = None
+        self.buffer: list[bytes] = []
+        self.sse = SSEReasoningMirror()
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            ctype = dict(message.get("headers", [])).get(b"content-type", b"")
+            if message.get("status") == 200 and ctype.startswith(b"application/json"):
+                self.mode, self.start = "json", message
+                return
+            if message.get("status") == 200 and ctype.startswith(b"text/event-stream"):
+                self.mode = "sse"
+            await self.send(message)
+            return
+        if message["type"] != "http.response.body" or self.mode == "pass":
+            await self.send(message)
+            return
+        more = message.get("more_body", False)
+        if self.mode == "sse":
+            out = self.sse.feed(message.get("body", b""))
+            if not more:
+                out += self.sse.flush()
+            await self.send({**message, "body": out})
+            return
+        self.buffer.append(message.get("body", b""))
+        if more:
+            return
+        body = add_reasoning_content(b"".join(self.buffer))
+        assert self.start is not None
+        start = _with_header(self.start, b"content-length", str(len(body)).encode())
+        await self.send(start)
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
+    body = json.dumps(payload).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def install_api_compat(app: Any, args: Namespace) -> None:
     """Called once from ``vllm.entrypoints.launchers.app.build_app`` (patch 0001)."""
+    default_max_tokens()  # a bad setting stops the start-up, not the first request
     app.add_middleware(CompatMiddleware)

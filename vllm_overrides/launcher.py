@@ -8,8 +8,9 @@ changes only what a local machine must change:
                                       [--host H] [--cpu] [--print] [-- EXTRA VLLM ARGS...]
 
 ``--cpu`` applies the CPU settings: ``--dtype bfloat16`` (vLLM's CPU Gated-DeltaNet kernel only
-runs in bf16) and, unless the caller set them, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM otherwise
-reserves one of two cores, doubling prefill time) and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache).
+runs in bf16), tensor parallel 1 unless ``--tp`` says otherwise, and, unless the caller set
+them, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM otherwise reserves one of two cores, doubling
+prefill time) and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache).
 Paths under ``/workspace/`` (where the image keeps the overlay) resolve to this checkout when the
 directory does not exist. Environment variables set by the caller win over the file's ``env``.
 """
@@ -29,7 +30,7 @@ import yaml
 REPO_DIR = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = Path(os.environ.get("COMPUTILITY_RUN_YAML", REPO_DIR / "computility-run.yaml"))
 WORKSPACE = "/workspace/"
-CPU_ENV_DEFAULTS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+CPU_ENV_DEFAULTS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 # Flags that name the same option; the first spelling is the one we write.
 ALIASES = {"--tensor-parallel-size": ("--tensor-parallel-size", "-tp")}
 
@@ -147,6 +148,8 @@ def build_launch(
         ]
     if cpu:
         argv = set_flag(argv, "--dtype", "bfloat16")
+        if tp is None:  # one CPU process; -tp N would ask for N workers
+            argv = set_flag(argv, "--tensor-parallel-size", "1")
     argv += extra or []
     caller = os.environ if base_env is None else base_env
     wanted = {**config.env, **(CPU_ENV_DEFAULTS if cpu else {})}
