@@ -108,3 +108,10 @@ def test_min_tokens_alone_on_completions_follows_the_server_default(server) -> N
 def test_min_tokens_above_max_tokens_is_a_400(server) -> None:
     err = assert_openai_error(chat(server, min_tokens=9, max_tokens=8), 400)
     assert "min_tokens" in err["message"]
+
+
+def test_one_token_prompt(server) -> None:
+    """A one-token prompt used to kill the CPU engine (patch 0002)."""
+    body = ok(completion(server, prompt="hi", max_tokens=3))
+    assert body["usage"]["prompt_tokens"] == 1
+    assert body["usage"]["completion_tokens"] == 3
