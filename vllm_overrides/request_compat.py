@@ -191,6 +191,20 @@ def normalize_tool_calls(body: dict[str, Any]) -> None:
                     function["arguments"] = json.dumps(args, ensure_ascii=False)
 
 
+KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def check_roles(body: dict[str, Any]) -> None:
+    """vLLM 0.32.0 passes any role string to the template; an unknown one is a client error."""
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role not in KNOWN_ROLES:
+            raise CompatError(
+                f"messages[{i}].role {role!r} is not one of {sorted(KNOWN_ROLES)}", "messages"
+            )
+
+
 def check_sampling(body: dict[str, Any]) -> None:
     top_p = body.get("top_p")
     if top_p is not None and not isinstance(top_p, bool) and isinstance(top_p, int | float):
@@ -202,6 +216,7 @@ def normalize_chat_request(body: Any, limits: ServerLimits) -> Any:
     """Rewrite/validate a /v1/chat/completions body in place; return it."""
     if not isinstance(body, dict):
         return body  # vLLM's own validation answers 400 for these
+    check_roles(body)
     normalize_thinking(body)
     forced_tool_choice_without_thinking(body)
     normalize_tool_calls(body)

@@ -123,3 +123,11 @@ def test_forced_tool_choice_renders_without_thinking_unless_asked(choice) -> Non
 @pytest.mark.parametrize("choice", ["auto", "none", None])
 def test_unforced_tool_choice_keeps_the_default(choice) -> None:
     assert "chat_template_kwargs" not in chat(tools=TOOLS, tool_choice=choice)
+
+
+def test_unknown_role_is_rejected_known_roles_pass() -> None:
+    with pytest.raises(CompatError, match="wizard"):
+        normalize_chat_request({"messages": [{"role": "wizard", "content": "x"}]}, LIMITS)
+    roles = ["system", "developer", "user", "assistant", "tool", "function"]
+    body = {"messages": [{"role": r, "content": "x"} for r in roles]}
+    assert normalize_chat_request(body, LIMITS)["messages"][0]["role"] == "system"
