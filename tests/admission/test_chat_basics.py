@@ -40,10 +40,12 @@ def test_prompt_tokens_details_reports_cached_tokens(server) -> None:
 
 
 def test_second_identical_prompt_is_served_from_the_prefix_cache(server) -> None:
-    # ~311 tokens, like the platform's check; unique text so earlier tests cannot have cached it.
-    text = "Prefix cache check number 7731. " + " ".join(f"item{i}" for i in range(150))
-    messages = [{"role": "user", "content": text}]
+    # ~311 prompt tokens, like the platform's check; unique text so that no earlier test cached it.
+    # (vLLM 0.32's "align" mamba cache mode saves the state at the last block boundary on the
+    # first request only when the prompt's tail past it is short; on this CPU build with 256-token
+    # blocks a 328-token prompt hits on the second request, a 717-token one only on the third.)
+    messages = [{"role": "user", "content": "Prefix cache check 7731:" + " hello" * 295}]
     first = ok(chat(server, messages, max_tokens=2))
     second = ok(chat(server, messages, max_tokens=2))
-    assert first["usage"]["prompt_tokens"] >= 300
+    assert 300 <= first["usage"]["prompt_tokens"] <= 330
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

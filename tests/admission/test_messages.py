@@ -79,7 +79,7 @@ def test_chinese_japanese_emoji_round_trip(server, text) -> None:
         {"model": "llm", "messages": [{"role": "user", "content": 42}]},
         {"model": "llm", "messages": [USER], "temperature": "hot"},
         {"model": "llm", "messages": [USER], "n": 0},
-        {"model": "llm", "messages": [USER], "stream": "yes"},
+        {"model": "llm", "messages": [USER], "stream": [1]},
     ],
     ids=["empty-object", "no-messages", "empty-messages", "missing-role", "unknown-role",
          "messages-not-list", "content-number", "temperature-string", "n-zero", "stream-string"],

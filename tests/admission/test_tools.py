@@ -40,7 +40,12 @@ def test_forced_tool_choice_returns_a_parsed_call(server, choice) -> None:
     calls = choice0["message"]["tool_calls"]
     assert calls and calls[0]["function"]["name"] == "get_weather"
     assert isinstance(json.loads(calls[0]["function"]["arguments"]), dict)
-    assert choice0["finish_reason"] in ("tool_calls", "stop")
+    # The real model ends with "tool_calls"; the random one may keep emitting what the grammar
+    # still allows (more calls, whitespace) until the budget runs out.
+    if choice0["finish_reason"] == "length":
+        assert body["usage"]["completion_tokens"] == 128
+    else:
+        assert choice0["finish_reason"] in ("tool_calls", "stop")
 
 
 @pytest.mark.parametrize(
