@@ -77,7 +77,10 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
 
 
 def start_local_server(
-    log_path: Path, extra_args: list[str] = (), env: dict[str, str] | None = None
+    log_path: Path,
+    extra_args: list[str] = (),
+    env: dict[str, str] | None = None,
+    launcher_args: list[str] = (),
 ) -> tuple[subprocess.Popen, str]:
     """Start the patched server from the launcher (the YAML) on a free port; return (proc, url)."""
     if not (TINY_MODEL / "config.json").exists():
@@ -86,7 +89,7 @@ def start_local_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "vllm_overrides.launcher", "--cpu", "--model", str(TINY_MODEL),
-        "--host", "127.0.0.1", "--port", str(port), "--", *extra_args,
+        "--host", "127.0.0.1", "--port", str(port), *launcher_args, "--", *extra_args,
     ]  # fmt: skip
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

@@ -108,3 +108,10 @@ def test_bad_yaml_is_rejected(tmp_path: Path) -> None:
     bad.write_text("concurrency: 1\ncommand: [python3]\nenv:\n  - name: X\n    value: 1\n")
     with pytest.raises(ValueError, match="must be a string"):
         load_run_config(bad)
+
+
+def test_cpu_runs_one_process_unless_told(config) -> None:
+    argv, _ = build_launch(config, cpu=True, base_env={})
+    assert get_flag(argv, "--tensor-parallel-size") == "1"
+    argv, _ = build_launch(config, base_env={})
+    assert get_flag(argv, "-tp") == "4"  # the platform's value when not on CPU

@@ -3,7 +3,8 @@
 ``server`` (tests/conftest.py) is the main server. ``small_server`` is a second local server with
 a 4,096-token context, ``--max-num-seqs 1`` and an API key, for the checks that need a full
 context, a scheduler that holds one sequence, or authentication; against ``VLLM_BASE_URL`` it is
-the main server (and the key checks need ``VLLM_API_KEY``).
+the main server (and the key checks need ``VLLM_API_KEY``), unless ``VLLM_SMALL_BASE_URL`` (and
+``VLLM_SMALL_API_KEY``) name a small server of your own.
 """
 
 from __future__ import annotations
@@ -41,13 +42,21 @@ WEATHER_TOOL = {
 
 @pytest.fixture(scope="session")
 def small_server(server: Server) -> Iterator[Server]:
+    if small_url := os.environ.get("VLLM_SMALL_BASE_URL"):  # a small server of your own
+        srv = Server(small_url.rstrip("/"), server.model, os.environ.get("VLLM_SMALL_API_KEY"))
+        with srv.client() as c:
+            models = c.get("/v1/models").json()["data"]
+        srv.max_model_len = int(models[0]["max_model_len"])
+        yield srv
+        return
     if os.environ.get("VLLM_BASE_URL"):
         yield server
         return
     log_path = REPO_DIR / "build" / "test-small-server.log"
     proc, base_url = start_local_server(
         log_path,
-        ["--max-model-len", str(SMALL_CONTEXT), "--max-num-seqs", "1", "--api-key", SMALL_KEY],
+        ["--max-num-seqs", "1", "--api-key", SMALL_KEY],
+        launcher_args=["--max-model-len", str(SMALL_CONTEXT)],
     )
     try:
         wait_healthy(base_url, proc, log_path)
