@@ -117,7 +117,9 @@ def test_forced_tool_choice_renders_without_thinking_unless_asked(choice) -> Non
     assert chat(tools=TOOLS, tool_choice=choice)["chat_template_kwargs"]["enable_thinking"] is False
     asked = chat(tools=TOOLS, tool_choice=choice, thinking={"type": "enabled"})
     assert asked["chat_template_kwargs"]["enable_thinking"] is True
-    assert "chat_template_kwargs" not in chat(tools=TOOLS, tool_choice=choice, reasoning_effort="high")
+    assert "chat_template_kwargs" not in chat(
+        tools=TOOLS, tool_choice=choice, reasoning_effort="high"
+    )
 
 
 @pytest.mark.parametrize("choice", ["auto", "none", None])
