@@ -1,0 +1,149 @@
+"""Metric math of worklogs/perf_metrics.py on hand-made records with known answers."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "worklogs"))
+
+import perf_metrics as pm  # noqa: E402
+
+
+def rec(status: str, t_start: float, t_first: float | None, t_end: float, prompt: int | None = None,
+        cached: int | None = None, completion: int | None = None) -> dict:
+    return {"status": status, "t_start": t_start, "t_first_token": t_first, "t_end": t_end,
+            "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion}
+
+
+# Two successes and one failure over a 100 s window. Cached 50,773 and uncached 17,684 prompt
+# tokens give Cache TPS 507.73 and Input TPS 176.84, i.e. hit 507.73 / (176.84 + 507.73).
+RECORDS = [
+    rec("ok", 0.0, 1.0, 5.0, prompt=30_000, cached=20_000, completion=200),
+    rec("ok", 2.0, 2.5, 100.0, prompt=38_457, cached=30_773, completion=400),
+    rec("http_error", 3.0, None, 3.1),
+]
+
+
+def test_percentile_definition() -> None:
+    xs = list(range(1, 11))
+    assert pm.percentile(xs, 10) == pytest.approx(1.9)
+    assert pm.percentile(xs, 50) == pytest.approx(5.5)
+    assert pm.percentile(xs, 90) == pytest.approx(9.1)
+    assert pm.percentile(xs, 0) == 1 and pm.percentile(xs, 100) == 10
+    assert pm.percentile([7.0], 90) == 7.0
+    assert pm.percentile([], 50) is None
+    assert pm.percentile([3, 1, 2], 50) == 2  # order of the input does not matter
+    with pytest.raises(ValueError):
+        pm.percentile(xs, 101)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=50),
+       st.floats(0, 100))
+def test_percentile_matches_numpy_linear(xs: list[float], q: float) -> None:
+    np = pytest.importorskip("numpy")
+    assert pm.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-9,
+                                                 abs=1e-6)
+
+
+def test_known_answers() -> None:
+    m = pm.compute_metrics(RECORDS)
+    assert m["n_requests"] == 3 and m["n_ok"] == 2
+    assert m["status_counts"] == {"http_error": 1, "ok": 2}
+    assert m["success_rate"] == pytest.approx(2 / 3)
+    assert m["wall_s"] == pytest.approx(100.0)
+    assert m["prompt_tokens"] == 68_457
+    assert m["cached_tokens"] == 50_773
+    assert m["uncached_prompt_tokens"] == 17_684
+    assert m["completion_tokens"] == 600
+    assert m["input_tps"] == pytest.approx(176.84)
+    assert m["cache_tps"] == pytest.approx(507.73)
+    assert m["output_tps"] == pytest.approx(6.0)
+    # TTFTs 1.0 and 0.5 s
+    assert m["ttft_s"]["p50"] == pytest.approx(0.75)
+    assert m["ttft_s"]["p90"] == pytest.approx(0.95)
+    # evaluator: 200 / 5 = 40 and 400 / 98; decode: 200 / 4 = 50 and 400 / 97.5
+    ev = sorted([40.0, 400 / 98])
+    assert m["output_tps_evaluator"]["p10"] == pytest.approx(ev[0] + 0.1 * (ev[1] - ev[0]))
+    dec = sorted([50.0, 400 / 97.5])
+    assert m["output_tps_decode"]["p10"] == pytest.approx(dec[0] + 0.1 * (dec[1] - dec[0]))
+    assert m["weighted_score"] == pytest.approx(6.0 * 16.796 + 176.84 * 2.799 + 507.73 * 0.56)
+    assert m["weighted_score"] == pytest.approx(880.07996)
+
+
+def test_cache_hit_identity() -> None:
+    m = pm.compute_metrics(RECORDS)
+    assert m["cache_hit"] == pytest.approx(m["cache_tps"] / (m["input_tps"] + m["cache_tps"]))
+    assert round(100 * m["cache_hit"], 2) == 74.17
+    assert round(100 * 507.73 / (176.84 + 507.73), 2) == 74.17
+
+
+def test_gates() -> None:
+    m = pm.compute_metrics(RECORDS)
+    assert m["gates"] == {"output_tps_p10>=20": False, "ttft_p90<=5s": True,
+                          "cache_hit>=50%": True, "success>=99%": False}
+    assert m["gates_pass"] is False
+    good = [rec("ok", i, i + 0.5, i + 5.5, 1000, 600, 200) for i in range(10)]
+    g = pm.compute_metrics(good)
+    assert g["gates_pass"] is True
+    assert g["output_tps_evaluator"]["p10"] == pytest.approx(200 / 5.5)
+
+
+def test_failures_are_counted_not_dropped() -> None:
+    recs = [rec("ok", 0, 0.1, 1, 100, 0, 10)] + [rec("timeout", 0, None, 50)] * 3
+    m = pm.compute_metrics(recs)
+    assert m["success_rate"] == 0.25
+    assert m["wall_s"] == 50  # a timed-out request stretches the window
+    assert m["output_tps"] == pytest.approx(10 / 50)
+
+
+def test_pure_and_invariant() -> None:
+    m1 = pm.compute_metrics(RECORDS)
+    assert pm.compute_metrics(RECORDS) == m1
+    shuffled = RECORDS[:]
+    random.Random(3).shuffle(shuffled)
+    shifted = [{**r, "t_start": r["t_start"] + 1e4, "t_end": r["t_end"] + 1e4,
+                "t_first_token": None if r["t_first_token"] is None else r["t_first_token"] + 1e4}
+               for r in shuffled]
+    m2 = pm.compute_metrics(shifted)
+    for key in ("success_rate", "cache_hit", "output_tps", "input_tps", "cache_tps",
+                "weighted_score"):
+        assert m2[key] == pytest.approx(m1[key])
+    assert m2["ttft_s"]["p90"] == pytest.approx(m1["ttft_s"]["p90"])
+
+
+def test_empty_and_missing_fields() -> None:
+    m = pm.compute_metrics([])
+    assert m["n_requests"] == 0 and m["success_rate"] is None and m["cache_hit"] is None
+    assert m["gates_pass"] is False
+    no_cache = [rec("ok", 0, 1, 2, 100, None, 5)]
+    m = pm.compute_metrics(no_cache)
+    assert m["cache_hit"] == 0 and m["n_ok_without_cached_field"] == 1
+
+
+def test_ledger_row_and_compare() -> None:
+    m = pm.compute_metrics(RECORDS)
+    row = pm.ledger_row("v1", "r.json", m)
+    assert row.startswith("| v1 | `r.json` | 66.67 % | 74.17 % | 0.950 |")
+    assert row.count("|") == pm.LEDGER_HEADER.splitlines()[0].count("|")
+    rows = {name: ratio for name, _, _, ratio in pm.compare_rows(m, m)}
+    assert rows["weighted score"] == "1.000x"
+    faster = [{**r, "t_end": r["t_end"] / 2} if r["status"] == "ok" else r for r in RECORDS]
+    mb = pm.compute_metrics(faster)
+    rows = {name: ratio for name, _, _, ratio in pm.compare_rows(m, mb)}
+    assert rows["Output TPS (aggregate)"] == "2.000x"
+
+
+def test_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    pm.plot_distributions(RECORDS, pm.compute_metrics(RECORDS), str(png), "t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not math.isnan(png.stat().st_size)
