@@ -109,6 +109,15 @@ def normalize_output_budget(body: dict[str, Any], limits: ServerLimits, chat: bo
             )
 
 
+def _default_enable_thinking(body: dict[str, Any], value: bool) -> None:
+    """Set ``chat_template_kwargs.enable_thinking`` unless the client already set it."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = body["chat_template_kwargs"] = {}
+    if isinstance(kwargs, dict):
+        kwargs.setdefault("enable_thinking", value)
+
+
 def _thinking_switch(value: Any) -> bool | None:
     """Anthropic/DeepSeek style ``thinking``: a bool or ``{"type": "enabled"|"disabled"}``."""
     if isinstance(value, bool):
@@ -137,13 +146,8 @@ def normalize_thinking(body: dict[str, Any]) -> None:
             raise CompatError("'enable_thinking' must be a boolean", "enable_thinking")
         switches.append(value)
     chosen = next((s for s in switches if s is not None), None)
-    if chosen is None:
-        return
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        kwargs = body["chat_template_kwargs"] = {}
-    if isinstance(kwargs, dict):
-        kwargs.setdefault("enable_thinking", chosen)
+    if chosen is not None:
+        _default_enable_thinking(body, chosen)
 
 
 def forced_tool_choice_without_thinking(body: dict[str, Any]) -> None:
@@ -158,13 +162,8 @@ def forced_tool_choice_without_thinking(body: dict[str, Any]) -> None:
     choice = body.get("tool_choice")
     if not body.get("tools") or not (choice == "required" or isinstance(choice, dict)):
         return
-    if body.get("reasoning_effort") is not None:
-        return
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        kwargs = body["chat_template_kwargs"] = {}
-    if isinstance(kwargs, dict):
-        kwargs.setdefault("enable_thinking", False)
+    if body.get("reasoning_effort") is None:
+        _default_enable_thinking(body, False)
 
 
 def normalize_tool_calls(body: dict[str, Any]) -> None:
