@@ -1,0 +1,432 @@
+"""Where vLLM 0.32.0 switches to our native kernels (the logic behind patches 0003-0006).
+
+The diffs under ``patches/vllm-0.32.0/`` only import this module and call into it; everything
+else lives here. The switches are read once, at import, from the environment:
+
+========================  =====================================================================
+``GDN_NATIVE=1``          Gated DeltaNet conv1d, gates, chunked prefill, recurrent decode and the
+                          gated output norm through :mod:`.gdn` / :mod:`.rmsnorm` (non-spec-decode
+                          batches; a batch with speculative tokens stays on upstream's kernels).
+                          On CPU the layer then runs ``forward_cuda`` (projections in the
+                          compiled graph, core through the ``qwen_gdn_attention_core`` op) instead
+                          of upstream's bf16-only ``cpu_gdn_attention_core``.
+``MOE_NATIVE=1``          MoE prefill (more than ``MOE_DECODE_MAX_TOKENS`` tokens) through the
+                          sort-by-expert path, and MoE decode through the native gather + bmm
+                          path (or sort-by-expert with ``MOE_DECODE_NATIVE=1``).
+``MOE_DECODE_NATIVE=1``   MoE decode through the sort-by-expert path instead of gather + bmm.
+                          Alone (``MOE_NATIVE=0``) it switches decode only; prefill stays upstream.
+``RMSNORM_NATIVE=1``      ``GemmaRMSNorm`` (Qwen3.5 ``(1 + w)`` norms, plain and fused-add).
+``PROF_TRACE=1``          ``torch.profiler.record_function`` ranges around the native MoE / GDN
+                          sections (visible in any torch-profiler trace).
+``PROF_MOE_SUMMARY=N``    MoE timing summary per process: prefill and decode buckets with the
+                          average routed, shared-expert and all-reduce ms; every N MoE-block
+                          calls (``1`` means every 1,000) and at exit. Synchronises the device
+                          around each section (never during CUDA-graph capture), so it slows
+                          the server: a measuring tool, off by default.
+========================  =====================================================================
+
+Everything else -- quantised weights, expert parallelism, EPLB, sequence-parallel MoE, fused
+or replicated shared experts -- keeps upstream's kernels, with one log line saying why.
+
+Capture / compile safety: the MoE block is one opaque custom op (``vllm_overrides::native_moe``)
+so its token-count dispatch and the prefill path's host sync never enter the compiled graph;
+inside it the decode paths are static-shape and sync-free. The GDN core already runs inside
+upstream's opaque ``qwen_gdn_attention_core`` op. The two norms are plain traceable code and
+are traced into the graph (the ``USAGE`` counters prove they were).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from . import gdn, moe, rmsnorm
+
+logger = logging.getLogger("vllm.vllm_overrides.native")
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _int(name: str) -> int:
+    raw = os.environ.get(name, "0").strip().lower()
+    if raw in ("true", "yes", "on"):
+        return 1
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        return 0
+
+
+GDN_NATIVE = _flag("GDN_NATIVE")
+MOE_NATIVE = _flag("MOE_NATIVE")
+MOE_DECODE_NATIVE = _flag("MOE_DECODE_NATIVE")
+RMSNORM_NATIVE = _flag("RMSNORM_NATIVE")
+PROF_TRACE = _flag("PROF_TRACE")
+PROF_MOE_SUMMARY = _int("PROF_MOE_SUMMARY")
+MOE_SUMMARY_EVERY = 1000 if PROF_MOE_SUMMARY == 1 else PROF_MOE_SUMMARY
+# A MoE call with at most this many tokens is a "decode" call (static per captured batch size).
+MOE_DECODE_MAX_TOKENS = 32
+
+# Which native paths ran in this process. The norm counters are bumped while Dynamo traces
+# (and wherever the traced bytecode replays the side effect), the others on every eager call.
+USAGE: dict[str, int] = {}
+_reported: set[str] = set()
+_logged_once: set[str] = set()
+
+
+def _mark(name: str) -> None:
+    USAGE[name] = USAGE.get(name, 0) + 1
+
+
+def _info_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _logged_once:
+        _logged_once.add(key)
+        logger.info(msg, *args)
+
+
+def report_usage() -> None:
+    """Log the set of native paths used so far, whenever it grows (eager contexts only)."""
+    new = set(USAGE) - _reported
+    if new:
+        _reported.update(new)
+        logger.info("vllm_overrides native paths in use (pid %d): %s", os.getpid(), sorted(USAGE))
+
+
+def _range(name: str) -> contextlib.AbstractContextManager[Any]:
+    return torch.profiler.record_function(name) if PROF_TRACE else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm (patch 0005: GemmaRMSNorm.forward_native, which CPU and CUDA both dispatch to)
+# --------------------------------------------------------------------------------------------
+
+
+def gemma_rms_norm(
+    layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``GemmaRMSNorm.forward_native`` through :mod:`.rmsnorm` (traceable)."""
+    _mark("gemma_rms_norm")
+    if residual is None:
+        return rmsnorm.gemma_rms_norm(x, layer.weight, layer.variance_epsilon)
+    return rmsnorm.gemma_fused_add_rms_norm(x, residual, layer.weight, layer.variance_epsilon)
+
+
+# --------------------------------------------------------------------------------------------
+# Gated DeltaNet (patch 0003)
+# --------------------------------------------------------------------------------------------
+
+
+def gdn_forward_method(layer: Any) -> Any:
+    """The layer's forward method: on CPU with ``GDN_NATIVE``, the generic ``forward_cuda``
+    (whose core op lands in :func:`gdn_forward_core`) instead of upstream's CPU op."""
+    from vllm.platforms import current_platform
+
+    if GDN_NATIVE and current_platform.is_cpu():
+        _info_once("gdn-cpu", "GDN_NATIVE: CPU GDN layers use the native pure-PyTorch path")
+        return layer.forward_cuda
+    return layer._forward_method
+
+
+def gdn_output_norm(norm: Any, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``RMSNormGated(x, z)`` through :func:`.rmsnorm.rms_norm_gated` (traceable)."""
+    if norm.group_size is not None or not norm.norm_before_gate:
+        return norm(x, z)
+    _mark("rms_norm_gated")
+    return rmsnorm.rms_norm_gated(x, z, norm.weight, norm.eps, norm.activation)
+
+
+def _conv_weight(layer: Any) -> torch.Tensor:
+    # On AVX512-BF16 / Arm-bf16 CPUs the bf16 conv weight is packed in place at load time;
+    # upstream keeps the plain [D, W] copy beside it.
+    w = getattr(layer.conv1d, "_cpu_unpacked_conv_weight", None)
+    if w is not None:
+        return w
+    w = layer.conv1d.weight
+    return w.view(w.size(0), w.size(2)) if w.dim() == 3 else w
+
+
+def gdn_forward_core(
+    layer: Any,
+    mixed_qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    core_attn_out: torch.Tensor,
+) -> bool:
+    """``_forward_core`` for non-spec batches; returns False to leave a batch to upstream.
+
+    Batch order is vLLM's: decode tokens first, then the prefill tokens.
+    """
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    meta = get_forward_context().attn_metadata
+    md = meta.get(layer.prefix) if isinstance(meta, dict) else None
+    if md is None:
+        return True  # profile / dummy run: nothing to warm up (no autotuned kernels)
+    if md.spec_sequence_masks is not None or md.num_accepted_tokens is not None:
+        _info_once("gdn-spec", "GDN_NATIVE: speculative-decode batches use upstream kernels")
+        return False
+    _mark("gdn_core")
+    report_usage()
+    kv = layer.kv_cache
+    conv_state = kv[0] if is_conv_state_dim_first() else kv[0].transpose(-1, -2)
+    ssm_state = kv[1]
+    n = md.num_actual_tokens
+    mixed_qkv, b, a = mixed_qkv[:n], b[:n], a[:n]
+    weight = _conv_weight(layer)
+    bias = layer.conv1d.bias
+    idx = md.non_spec_state_indices_tensor
+    nd, ndt, npf = md.num_decodes, md.num_decode_tokens, md.num_prefills
+    H = layer.num_k_heads // layer.tp_size
+    K, V = layer.head_k_dim, layer.head_v_dim
+
+    if nd > 0:
+        with _range("vo.gdn.decode"):
+            x = gdn.causal_conv1d_decode(
+                mixed_qkv[:ndt], conv_state, weight, bias, layer.activation, idx[:nd]
+            )
+            gdn.fused_recurrent_gated_delta_rule_packed_decode(
+                x, a[:ndt], b[:ndt], layer.A_log, layer.dt_bias, K**-0.5, ssm_state,
+                core_attn_out[:ndt].unsqueeze(1), idx[:nd], use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+    if npf > 0:
+        with _range("vo.gdn.prefill"):
+            qsl = md.non_spec_query_start_loc[nd : nd + npf + 1] - ndt
+            pidx = idx[nd : nd + npf].to(torch.long)
+            has_init = md.has_initial_state[nd : nd + npf]
+            x = gdn.causal_conv1d_prefill(
+                mixed_qkv[ndt:n], weight, bias, conv_state, qsl, pidx, has_init, layer.activation
+            )
+            q, k, v, g, beta = gdn.post_conv_prep(
+                x, a[ndt:n], b[ndt:n], layer.A_log, layer.dt_bias, H, K, V, apply_l2norm=True
+            )
+            h0 = ssm_state.index_select(0, pidx)
+            h0 = torch.where(has_init.view(-1, 1, 1, 1), h0, torch.zeros_like(h0))
+            o, final = gdn.chunk_gated_delta_rule(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
+                beta.unsqueeze(0), initial_state=h0, output_final_state=True, cu_seqlens=qsl,
+                use_qk_l2norm_in_kernel=False,
+            )  # fmt: skip
+            assert final is not None
+            ssm_state.index_copy_(0, pidx, final.to(ssm_state.dtype))
+            core_attn_out[ndt:n] = o[0].to(core_attn_out.dtype)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# MoE (patch 0004: Qwen3NextSparseMoeBlock; patch 0006: CPU keeps plain expert weights)
+# --------------------------------------------------------------------------------------------
+
+_MOE_BLOCKS: dict[str, Any] = {}
+
+
+def moe_native_wanted() -> bool:
+    return MOE_NATIVE or MOE_DECODE_NATIVE
+
+
+def register_moe_block(block: Any, vllm_config: Any, prefix: str) -> None:
+    """Decide once, at construction, whether this block runs the native op (sets
+    ``block._vo_native_moe``); the reasons for staying upstream are logged once."""
+    block._vo_native_moe = False
+    if not moe_native_wanted():
+        return
+    config = vllm_config.model_config.hf_text_config
+    why = []
+    if vllm_config.quant_config is not None:
+        why.append("quantised weights")
+    if getattr(block, "ep_size", 1) != 1 or vllm_config.parallel_config.enable_expert_parallel:
+        why.append("expert parallelism")
+    if getattr(block, "enable_eplb", False):
+        why.append("EPLB")
+    if getattr(block, "is_sequence_parallel", False):
+        why.append("sequence-parallel MoE")
+    if getattr(block, "is_fused_shared_expert_enabled", False):
+        why.append("fused shared expert")
+    if getattr(block, "replicate_shared_expert", False):
+        why.append("replicated shared expert")
+    if why:
+        _info_once("moe-upstream", "MOE_NATIVE: upstream MoE kernels kept (%s)", ", ".join(why))
+        return
+    block._vo_native_moe = True
+    block._vo_name = prefix
+    block._vo_top_k = int(config.num_experts_per_tok)
+    block._vo_renormalize = bool(getattr(config, "norm_topk_prob", True))
+    _MOE_BLOCKS[prefix] = block
+    _info_once(
+        "moe-native",
+        "MoE switches: prefill %s, decode %s (<= %d tokens)",
+        "native sort-by-expert" if MOE_NATIVE else "upstream",
+        "native sort-by-expert"
+        if MOE_DECODE_NATIVE
+        else ("native gather+bmm" if MOE_NATIVE else "upstream"),
+        MOE_DECODE_MAX_TOKENS,
+    )
+
+
+def stash_plain_expert_weights(layer: torch.nn.Module) -> None:
+    """CPU only: keep a plain ``[E, 2I, H]`` / ``[E, H, I]`` copy before upstream prepacks the
+    expert weights into its grouped-GEMM layout (the native path reads the plain layout)."""
+    if moe_native_wanted():
+        layer._vo_w13 = layer.w13_weight.detach().clone()
+        layer._vo_w2 = layer.w2_weight.detach().clone()
+
+
+def _expert_weights(block: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ex = getattr(block.experts, "routed_experts", block.experts)  # MoERunner -> RoutedExperts
+    w13 = getattr(ex, "_vo_w13", None)
+    w2 = getattr(ex, "_vo_w2", None)
+    if w13 is None:
+        w13, w2 = ex.w13_weight, ex.w2_weight
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0]:
+        return None
+    if w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != w2.shape[1]:
+        return None
+    return w13, w2
+
+
+class _MoeStats:
+    def __init__(self) -> None:
+        self.calls = {"prefill": 0, "decode": 0}
+        self.tokens = {"prefill": 0, "decode": 0}
+        self.ms: dict[tuple[str, str], float] = {}
+        self.path = {"prefill": "-", "decode": "-"}
+        self.total = 0
+
+    def add(self, bucket: str, section: str, ms: float) -> None:
+        self.ms[(bucket, section)] = self.ms.get((bucket, section), 0.0) + ms
+
+    def summary(self) -> str:
+        parts = []
+        for bucket in ("prefill", "decode"):
+            c = self.calls[bucket]
+            if not c:
+                parts.append(f"{bucket}: no calls")
+                continue
+            avg = {s: self.ms.get((bucket, s), 0.0) / c for s in ("routed", "shared", "allreduce")}
+            parts.append(
+                f"{bucket} [{self.path[bucket]}]: calls={c} "
+                f"tokens/call={self.tokens[bucket] / c:.1f} "
+                f"routed={avg['routed']:.3f}ms shared={avg['shared']:.3f}ms "
+                f"allreduce={avg['allreduce']:.3f}ms"
+            )
+        return f"MoE summary (pid {os.getpid()}): " + " | ".join(parts)
+
+
+_STATS = _MoeStats()
+
+
+def _log_summary() -> None:
+    if _STATS.total:
+        logger.info(_STATS.summary())
+
+
+if MOE_SUMMARY_EVERY:
+    atexit.register(_log_summary)
+
+
+def _sync(x: torch.Tensor) -> bool:
+    """Synchronise for timing; False during CUDA-graph capture (then nothing is timed)."""
+    if x.device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        torch.cuda.synchronize(x.device)
+    return True
+
+
+@contextlib.contextmanager
+def _timed(x: torch.Tensor, bucket: str, section: str, on: bool) -> Iterator[None]:
+    with _range(f"vo.moe.{bucket}.{section}"):
+        if not on:
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        _sync(x)
+        _STATS.add(bucket, section, (time.perf_counter() - t0) * 1e3)
+
+
+def _moe_native_impl(x: torch.Tensor, layer_name: str) -> torch.Tensor:
+    block = _MOE_BLOCKS[layer_name]
+    T = x.shape[0]
+    bucket = "decode" if T <= MOE_DECODE_MAX_TOKENS else "prefill"
+    native = MOE_NATIVE or (bucket == "decode" and MOE_DECODE_NATIVE)
+    weights = _expert_weights(block) if native else None
+    if native and weights is None:
+        _info_once("moe-layout", "MOE_NATIVE: expert weights not in [E,2I,H]/[E,H,I]; upstream")
+        native = False
+    timing = bool(MOE_SUMMARY_EVERY) and _sync(x)
+    if native:
+        path = "native " + (
+            "sort-by-expert" if bucket == "prefill" or MOE_DECODE_NATIVE else "gather+bmm"
+        )
+    else:
+        path = "upstream fused (routed+shared+allreduce)"
+    _mark(f"moe_{bucket}_{'native' if native else 'upstream'}")
+    report_usage()
+
+    if not native:
+        with _timed(x, bucket, "routed", timing):
+            out = block.experts(hidden_states=x, router_logits=x)
+    else:
+        assert weights is not None
+        w13, w2 = weights
+        with _timed(x, bucket, "routed", timing):
+            logits = block.gate(x)
+            logits = logits[0] if isinstance(logits, tuple) else logits
+            topk_w, topk_ids = moe.route(logits, block._vo_top_k, block._vo_renormalize)
+            if bucket == "prefill":
+                out = moe.moe_experts_prefill(x, topk_w, topk_ids, w13, w2)
+            elif MOE_DECODE_NATIVE:
+                grouped = moe.grouped_mm_available(x.device, x.dtype)
+                out = (
+                    moe.moe_experts_decode(x, topk_w, topk_ids, w13, w2, "grouped")
+                    if grouped
+                    else moe.moe_experts_prefill(x, topk_w, topk_ids, w13, w2, "loop")
+                )
+            else:
+                out = moe.moe_experts_decode(x, topk_w, topk_ids, w13, w2, "gather")
+        if block.shared_expert is not None:
+            with _timed(x, bucket, "shared", timing):
+                out = out + block.shared_expert(x)
+        if block.tp_size > 1:
+            from vllm.distributed import tensor_model_parallel_all_reduce
+
+            with _timed(x, bucket, "allreduce", timing):
+                out = tensor_model_parallel_all_reduce(out)
+
+    if timing:
+        _STATS.calls[bucket] += 1
+        _STATS.tokens[bucket] += T
+        _STATS.path[bucket] = path
+        _STATS.total += 1
+        if _STATS.total % MOE_SUMMARY_EVERY == 0:
+            _log_summary()
+    return out
+
+
+@torch.library.custom_op("vllm_overrides::native_moe", mutates_args=())
+def native_moe(x: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """The whole sparse-MoE block (router, experts, shared expert, all-reduce) for one layer;
+    opaque to torch.compile."""
+    return _moe_native_impl(x, layer_name)
+
+
+@native_moe.register_fake
+def _native_moe_fake(x: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def moe_block_forward(block: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``Qwen3NextSparseMoeBlock.forward`` on the native path (traceable: one custom op)."""
+    orig_shape = hidden_states.shape
+    x = hidden_states.view(-1, hidden_states.shape[-1])
+    return torch.ops.vllm_overrides.native_moe(x, block._vo_name).view(orig_shape)

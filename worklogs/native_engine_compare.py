@@ -1,0 +1,85 @@
+"""bf16 engine with the native switches on vs off (upstream CPU kernels) on the tiny model.
+
+Starts one server per setting (sequentially, ports 8120-8129), sends the oracle prompts
+(tests/native_engine/hf_oracle.py) greedily, and reports: the share of identical greedy tokens,
+the first divergence per prompt, the largest |logprob| difference of the chosen tokens over the
+common prefix, and timing: a 2,000-token prefill (max_tokens=1, median of 3 distinct prompts)
+and 64-token decode (one request; (t64 - t1) / 63 per token). Usage:
+
+    .venv/bin/python worklogs/native_engine_compare.py [--dtype bfloat16] > build/ne/compare.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.native_engine import hf_oracle  # noqa: E402
+from tests.native_engine.enginelib import (  # noqa: E402
+    NATIVE_OFF,
+    NATIVE_ON,
+    engine_server,
+    first_divergence,
+    greedy,
+)
+from tests.serverlib import REPO_DIR  # noqa: E402
+
+
+def run(setting: str, env: dict[str, str], dtype: str) -> dict:
+    prompts = hf_oracle.prompts()
+    log = REPO_DIR / "build" / f"native-compare-{setting}.log"
+    out: dict = {"outputs": {}, "timing": {}}
+    with engine_server(log, env, ["--dtype", dtype]) as url:
+        greedy(url, hf_oracle.prompt_ids(50, seed=999), max_tokens=8)  # warm-up
+        for name, ids in prompts.items():
+            out["outputs"][name] = greedy(url, ids)
+        pre = [
+            greedy(url, hf_oracle.prompt_ids(2000, seed=5000 + i), 1)["wall_s"] for i in range(3)
+        ]
+        t1 = [greedy(url, hf_oracle.prompt_ids(20, seed=6000 + i), 1)["wall_s"] for i in range(3)]
+        t64 = [greedy(url, hf_oracle.prompt_ids(20, seed=6000 + i), 64)["wall_s"] for i in range(3)]
+        out["timing"] = {
+            "prefill2000_s": statistics.median(pre),
+            "decode_ms_per_token": (statistics.median(t64) - statistics.median(t1)) / 63 * 1e3,
+            "decode64_request_s": statistics.median(t64),
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    on = run("on", NATIVE_ON, args.dtype)
+    off = run("off", NATIVE_OFF, args.dtype)
+    same = total = 0
+    per, worst = {}, 0.0
+    for name, a in on["outputs"].items():
+        b = off["outputs"][name]
+        same += sum(x == y for x, y in zip(a["tokens"], b["tokens"], strict=True))
+        total += len(a["tokens"])
+        i = first_divergence(a["tokens"], b["tokens"])
+        upto = len(a["tokens"]) if i is None else i + 1  # chosen-token logprobs up to divergence
+        d = max(abs(x - y) for x, y in zip(a["logprobs"][:upto], b["logprobs"][:upto], strict=True))
+        worst = max(worst, d)
+        per[name] = {"first_divergence": i, "max_logprob_diff_to_divergence": d}
+    result = {
+        "dtype": args.dtype,
+        "identical_token_share": same / total,
+        "max_chosen_logprob_diff": worst,
+        "per_prompt": per,
+        "timing_native": on["timing"],
+        "timing_upstream": off["timing"],
+        "ratio_prefill": on["timing"]["prefill2000_s"] / off["timing"]["prefill2000_s"],
+        "ratio_decode": on["timing"]["decode_ms_per_token"] / off["timing"]["decode_ms_per_token"],
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
