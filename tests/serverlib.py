@@ -15,7 +15,7 @@ import httpx
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 TINY_MODEL = Path(os.environ.get("TINY_MODEL", REPO_DIR / "build" / "tiny-model"))
-STARTUP_TIMEOUT_S = float(os.environ.get("SERVER_STARTUP_TIMEOUT", "900"))
+STARTUP_TIMEOUT_S = float(os.environ.get("SERVER_STARTUP_TIMEOUT", "1500"))
 
 
 @dataclass
