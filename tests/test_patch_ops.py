@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_overrides.patching import MANIFEST_NAME, find_vllm_site, parse_patch
+from vllm_overrides.patching import MANIFEST_NAME, find_vllm_site, parse_patch, write_manifest
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 
@@ -74,6 +74,29 @@ def test_verify_names_an_altered_deployed_file(site: Path, which: str) -> None:
     good = patch_ops("verify")
     assert good.returncode == 0, good.stderr
     assert "verify: OK" in good.stdout
+
+
+def test_verify_imports_every_overlay_module(site: Path) -> None:
+    """A deployed module that raises on import fails verify even when its hash is the manifest's.
+
+    api_compat is imported lazily (inside build_app): only importing every overlay module catches
+    it before the server dies at start.
+    """
+    target = site / "vllm_overrides" / "api_compat.py"
+    original = target.read_bytes()
+    try:
+        target.write_bytes(original + b'\nraise RuntimeError("broken at import")\n')
+        write_manifest(site)  # deployed that way: every sha256 matches
+        bad = patch_ops("verify")
+        assert bad.returncode != 0
+        assert "vllm_overrides.api_compat: import failed: RuntimeError: broken at import" in (
+            bad.stderr
+        ), bad.stderr
+    finally:
+        target.write_bytes(original)
+        write_manifest(site)
+    good = patch_ops("verify")
+    assert good.returncode == 0, good.stderr
 
 
 def test_unexpected_vllm_version_is_refused(tmp_path: Path) -> None:

@@ -222,23 +222,53 @@ def verify(site: Path, patch_dir: Path = PATCH_DIR, import_modules: bool = True)
         except py_compile.PyCompileError as exc:
             problems.append(f"{site / rel}: does not byte-compile: {exc.msg}")
     if import_modules and not problems:
-        modules = ["vllm_overrides"] + [
-            p[: -len(".py")].replace("/", ".") for p in manifest["patched_files"]
-        ]
-        # A fresh interpreter without this checkout on its path imports what the server will.
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        for module in modules:
-            proc = subprocess.run(
-                [sys.executable, "-c", f"import {module}"],
-                env=env,
-                cwd=site,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if proc.returncode != 0:
-                last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-                problems.append(f"{module}: import failed: {last}")
+        problems += _import_problems(site, manifest)
+    return problems
+
+
+# Imports each module in turn in one interpreter; a failure prints "module\tlast error line".
+_IMPORT_ALL = """
+import importlib, sys, traceback
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        last = (traceback.format_exc().strip().splitlines() or ["?"])[-1]
+        print(f"{name}\\t{last}", flush=True)
+"""
+
+
+def _import_problems(site: Path, manifest: dict) -> list[str]:
+    """Import every overlay module and every patched vLLM module the way the server will.
+
+    Every overlay module, not only the package: several are imported lazily (api_compat inside
+    build_app), and one that raises on import would pass verify and kill the server at start.
+    """
+    overlay = [
+        rel[: -len(".py")].removesuffix("/__init__").replace("/", ".")
+        for rel in manifest["files"]
+        if rel.startswith("vllm_overrides/")
+    ]
+    patched = [p[: -len(".py")].replace("/", ".") for p in manifest["patched_files"]]
+    modules = sorted(set(overlay)) + patched
+    # A fresh interpreter without this checkout on its path imports what the server will.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ALL, *modules],
+        env=env,
+        cwd=site,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    problems = []
+    for line in proc.stdout.splitlines():
+        module, _, last = line.partition("\t")
+        if last:
+            problems.append(f"{module}: import failed: {last}")
+    if proc.returncode != 0 and not problems:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        problems.append(f"import check exited {proc.returncode}: {last}")
     return problems
 
 
