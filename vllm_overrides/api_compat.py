@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from vllm_overrides import __version__
+from vllm_overrides.engine_watchdog import install_engine_watchdog
+from vllm_overrides.media_errors import install_media_error_mapping
 from vllm_overrides.request_compat import (
     CompatError,
     ServerLimits,
@@ -48,6 +50,18 @@ def _server_limits(scope: Scope) -> ServerLimits | None:
     if vllm_config is None:
         return None
     return ServerLimits(vllm_config.model_config.max_model_len, default_max_tokens())
+
+
+def _encode(request: dict[str, Any]) -> bytes:
+    try:
+        return json.dumps(request, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        # JSON can escape a lone UTF-16 surrogate ("\ud800"); it is not Unicode text and no
+        # tokenizer can encode it.
+        raise CompatError(
+            f"the request holds a lone UTF-16 surrogate ({exc.object[exc.start]!a}), "
+            "which is not valid Unicode text"
+        ) from exc
 
 
 async def _read_body(receive: Receive) -> tuple[bytes, Message | None]:
@@ -90,12 +104,19 @@ class CompatMiddleware:
         limits = _server_limits(scope)
         try:
             decoded = json.loads(raw) if raw else None
-        except (ValueError, RecursionError):
-            decoded = None  # not JSON: vLLM's own parser answers with its 400
+        except (ValueError, RecursionError) as exc:
+            # Answered here: FastAPI's parser fails on the same bodies, and on some (nesting past
+            # Python's recursion limit, integers over 4,300 digits) with {"detail": ...} instead
+            # of an OpenAI-style error.
+            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+            await _send_json(
+                send, 400, CompatError(f"request body is not valid JSON ({why})").body()
+            )
+            return
         if limits is not None and isinstance(decoded, dict):
             try:
                 normalize = normalize_chat_request if chat else normalize_completion_request
-                body = json.dumps(normalize(decoded, limits), ensure_ascii=False).encode()
+                body = _encode(normalize(decoded, limits))
             except CompatError as exc:
                 await _send_json(send, exc.status, exc.body())
                 return
@@ -111,7 +132,24 @@ class CompatMiddleware:
 
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        await self.app(scope, replay_body, _ReasoningSender(send) if chat else send)
+        inner = _ReasoningSender(send) if chat else send
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await inner(message)
+
+        try:
+            await self.app(scope, replay_body, send_tracked)
+        except Exception as exc:
+            if started or not _raised_by_body_validation(exc):
+                raise
+            # vLLM's request models run "before" validators on the raw body; one that meets an
+            # unexpected type (e.g. ``structured_outputs: "x"``) raises AttributeError/KeyError,
+            # which pydantic passes through and starlette answers with a 500. The body is at fault.
+            reason = f"{type(exc).__name__}: {exc}"[:300]
+            await _send_json(send, 400, CompatError(f"invalid request body ({reason})").body())
 
 
 class _ReasoningSender:
@@ -154,6 +192,21 @@ class _ReasoningSender:
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+# FastAPI's function that validates a request body into the endpoint's pydantic model.
+_BODY_VALIDATION = ("fastapi.dependencies.utils", "request_body_to_args")
+
+
+def _raised_by_body_validation(exc: BaseException) -> bool:
+    """True when ``exc`` escaped FastAPI's validation of the request body (not the handler)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _BODY_VALIDATION:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
     body = json.dumps(payload).encode()
     await send(
@@ -173,3 +226,7 @@ def install_api_compat(app: Any, args: Namespace) -> None:
     """Called once from ``vllm.entrypoints.launchers.app.build_app`` (patch 0001)."""
     default_max_tokens()  # a bad setting stops the start-up, not the first request
     app.add_middleware(CompatMiddleware)
+    install_media_error_mapping()
+    # vLLM 0.32.0 exits with status 0 after its engine core dies; the platform restarts only a
+    # failed server (engine_watchdog.py).
+    install_engine_watchdog(app)
