@@ -380,7 +380,7 @@ class Bench:
             **s,
             "n_chunks": layout.n_chunks,
             "n_pad": layout.n_pad,
-            "scan_levels": layout.levels,
+            "scan_group": layout.group,
         }
         nbytes = (2 * q.numel() + 2 * v.numel()) * 2 + 2 * g.numel() * 4 + 2 * h0.numel() * 4
         n_ch = T / 64 * s["HV"]
@@ -412,7 +412,8 @@ class Bench:
             )
 
         old = torch.backends.cuda.matmul.allow_tf32
-        # (run 2 also timed tri_solve="torch", cuBLAS trsm: 3.43 ms vs 2.77 ms at TP4 16K)
+        # (tri_solve="torch", cuBLAS trsm, lost at TP4 16K: 3.43 vs 2.77 ms in run 2, 2.91 vs
+        # 2.22 ms in the 2026-12-01 run)
         modes = (("native_fp32", False, "matmul"), ("native_tf32", True, "matmul"))
         for mode, tf32, tri in modes:
             torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -462,21 +463,21 @@ class Bench:
     def gdn_scan_only(self, tp: int, T: int) -> dict[str, Any]:
         """Time of the chunk-state scan alone (fp32 and tf32), for the breakdown."""
         s = self.shard(tp)
-        lay = gdn._scan_shape(T // 64)
+        n_pad, group = gdn._scan_shape(T // 64)
         HV, K, V = s["HV"], s["K"], s["V"]
-        M = torch.randn(HV, lay[0], K, K, device=self.dev) * K**-0.5
-        B = torch.randn(HV, lay[0], V, K, device=self.dev)
+        MB = torch.randn(HV, n_pad, V + K, K, device=self.dev)
+        MB[:, :, V:] *= K**-0.5
         res: dict[str, Any] = {
             "kind": "gdn_scan",
             "tp": tp,
             "T": T,
-            "n_pad": lay[0],
-            "levels": lay[1],
+            "n_pad": n_pad,
+            "group": group,
         }
         old = torch.backends.cuda.matmul.allow_tf32
         for mode, tf32 in (("fp32", False), ("tf32", True)):
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            res[mode] = self.timer.both([lambda: gdn._exclusive_affine_scan(M, B, lay[1])], 20.0)
+            res[mode] = self.timer.both([lambda: gdn._affine_scan(MB, V, group)], 20.0)
         torch.backends.cuda.matmul.allow_tf32 = old
         return res
 
@@ -519,23 +520,22 @@ class Bench:
             x0["q"], x0["k"], x0["v"], x0["g"], x0["beta"], list(range(B + 1)), initial_state=start
         )
 
-        def native_fn(x: dict[str, torch.Tensor], gather: str) -> Callable[[], torch.Tensor]:
+        def native_fn(x: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
             return lambda: gdn.gated_delta_rule_decode(
-                x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], idx, gather=gather
+                x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], idx
             )
 
-        for gather in ("embedding_bag", "index_select"):  # errors first: timing mutates states
-            st = torch.cat([x0["state"][:1], start])
-            o = gdn.gated_delta_rule_decode(
-                x0["q"], x0["k"], x0["v"], x0["g"], x0["beta"], st, idx, gather=gather
-            )
-            res[f"native_{gather}_err"] = rel(o, ro)
-            res[f"native_{gather}_state_err"] = rel(st[1:], rfin)
-        for gather in ("embedding_bag", "index_select"):
-            res[f"native_{gather}"] = self.timer.both([native_fn(x, gather) for x in sets], 5.0)
-            log(f"  native {gather}: {res[f'native_{gather}']}")
+        # Default path only (index_select gather + index_copy_ write-back). Earlier runs at
+        # B=64 TP4 vs its 0.158 ms: gather="embedding_bag" 0.228 ms, a CSR sparse.mm gather
+        # 0.172 ms, an index_put_ write-back 0.170 ms.
+        st = torch.cat([x0["state"][:1], start])  # errors first: timing mutates states
+        o = gdn.gated_delta_rule_decode(x0["q"], x0["k"], x0["v"], x0["g"], x0["beta"], st, idx)
+        res["native_index_select_err"] = rel(o, ro)
+        res["native_index_select_state_err"] = rel(st[1:], rfin)
+        res["native_index_select"] = self.timer.both([native_fn(x) for x in sets], 5.0)
+        log(f"  native index_select: {res['native_index_select']}")
         if self.dev.type == "cuda" and B == 64:
-            res["profile_native"] = profile_table(native_fn(x0, "auto"))
+            res["profile_native"] = profile_table(native_fn(x0))
 
         def packed(x: dict[str, torch.Tensor]) -> Callable[[], Any]:
             return lambda: gdn.fused_recurrent_gated_delta_rule_packed_decode(
@@ -608,8 +608,8 @@ class Bench:
                 w, ids = moe.route(logits, k, True)
                 flat = ids.reshape(-1)
                 w13g = w13.index_select(0, flat).view(T, k * 2 * I, Hd)
-                w2g = w2.permute(1, 0, 2).index_select(1, flat).view(Hd, T, k * I).transpose(0, 1)
-                act = torch.randn(T, k * I, 1, device=dev, dtype=torch.bfloat16)
+                w2g = w2.index_select(0, flat)  # [T*k, H, I], as the gather method has it
+                act = torch.randn(T * k, I, 1, device=dev, dtype=torch.bfloat16)
                 sets.append(
                     {
                         "x": x,
@@ -636,6 +636,7 @@ class Bench:
             ref = mref.moe_experts_reference(d0["x"], d0["w"], d0["ids"], w13, w2)
 
             def gemms(d: dict[str, torch.Tensor]) -> Callable[[], Any]:
+                # the gather method's two GEMMs on pre-gathered weights
                 return lambda: (
                     torch.bmm(d["w13g"], d["x"].unsqueeze(-1)),
                     torch.bmm(d["w2g"], d["act"]),
@@ -720,10 +721,17 @@ class Bench:
         ]
         h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
         ws = w.reshape(-1).index_select(0, order)
-        stages.append(("act", lambda: (moe.silu_and_mul(h) * ws.unsqueeze(-1)).to(h.dtype)))
+        stages.append(("act", lambda: moe._weighted_act(h, ws.unsqueeze(-1))))
         stages.append(("gemm2", lambda: torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)))
         y = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
-        stages.append(("combine", lambda: moe._combine(y, inverse, k)))
+        stages.append(("combine_gather", lambda: moe._combine(y, inverse, k, "gather")))
+        try:
+            res["combine_csr_err_vs_gather"] = rel(
+                moe._combine(y, inverse, k, "csr"), moe._combine(y, inverse, k)
+            )
+            stages.append(("combine_csr", lambda: moe._combine(y, inverse, k, "csr")))
+        except Exception as exc:  # noqa: BLE001
+            res["combine_csr_error"] = repr(exc)[:300]
         for name, fn in stages:
             st[name] = self.timer.eager([fn], 20.0)
         res["stages_eager_ms"] = st
@@ -933,7 +941,7 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                 )
         elif kind == "gdn_decode":
             base = c.get("fla")
-            for mode in ("native_embedding_bag", "native_index_select", "native_packed_api"):
+            for mode in ("native_index_select", "native_packed_api"):
                 nb, bb = _best(c.get(mode)), _best(base)
                 ratio = f"{nb / bb:.2f}x" if nb and bb else "-"
                 tgt = ""
@@ -961,7 +969,7 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                         f"GDN chunk scan only tp{c['tp']} T={c['T']}",
                         "-",
                         "-",
-                        f"scan {mode} ({c['levels']} levels)",
+                        f"scan {mode} (groups of {c.get('group')})",
                         _ms(c.get(mode)),
                         "-",
                         "-",

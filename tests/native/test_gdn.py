@@ -88,16 +88,17 @@ def test_chunk_prefill_varlen_initial_states_fp32(decay: str) -> None:
     assert rel_err(fin, rfin) <= FP32_TOL
 
 
-def test_chunk_prefill_multilevel_scan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tiny scan top forces several up/down-sweep levels (as T=64K does at full size)."""
-    monkeypatch.setattr(gdn, "_SCAN_TOP", 2)
-    monkeypatch.setattr(gdn, "_SCAN_KERNEL_COST", 100.0)
+@pytest.mark.parametrize("group", [1, 3, 4, 40])
+def test_chunk_prefill_scan_groups(group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any scan group length (one chunk per group, groups crossing sequence boundaries, a
+    padded last group, one group holding everything) gives the same result."""
+    monkeypatch.setattr(gdn, "_scan_shape", lambda n: (-(-n // group) * group, group))
     H, HV, K, V = 1, 2, 16, 8
     lens = [700, 0, 1, 300, 64, 129, 65]
     cu = _cu(lens)
     T, N = int(cu[-1]), len(lens)
     layout = gdn.prepare_chunk_layout(cu, T)
-    assert layout.levels >= 3
+    assert layout.group == group and layout.n_pad % group == 0
     q, k = torch.randn(1, T, H, K), torch.randn(1, T, H, K)
     v = torch.randn(1, T, HV, V)
     g, beta = _gates(T, HV, "weak")
@@ -439,13 +440,12 @@ def test_decode_step_compiles_fullgraph() -> None:
 
 def test_scan_shape_rules() -> None:
     for n in (1, 2, 16, 17, 33, 256, 257, 1024, 1025, 4097):
-        n_pad, levels = gdn._scan_shape(n)
-        m = n_pad >> levels
-        assert n_pad >= n and n_pad % (1 << levels) == 0 and m <= gdn._SCAN_TOP
-        assert n_pad - n < (1 << levels)  # only the last group is padded
-        if n & (n - 1) == 0:
-            assert n_pad == n  # powers of two (e.g. T = 16K, 64K) are never padded
-    assert math.isclose(gdn._scan_shape(256)[0], 256)
+        n_pad, group = gdn._scan_shape(n)
+        assert n_pad >= n and n_pad % group == 0
+        assert n_pad - n < group  # only the last group is padded
+    for n in (256, 1024):  # T = 16K, 64K: a few dozen sequential steps, little padding
+        n_pad, group = gdn._scan_shape(n)
+        assert 3 * group + n_pad // group <= 4 * math.isqrt(3 * n) and n_pad - n <= n // 64
 
 
 def test_fast_reference_matches_loop_reference() -> None:
