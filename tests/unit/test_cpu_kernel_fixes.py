@@ -41,3 +41,37 @@ def test_one_token_prefill_runs_in_the_cpu_kernel() -> None:
     out = ops.causal_conv1d_fwd_cpu(x=conv1d_input_layout(x), **kwargs)
     expected = torch.nn.functional.silu(x.float()[:, 0] * kwargs["weight"].float()[:, -1])
     assert torch.allclose(out.float()[:, 0], expected, atol=2e-2, rtol=2e-2)
+
+
+_FTZ_PROBE = """
+import json, torch
+from vllm_overrides.cpu_kernel_fixes import flush_denormals_on_all_threads
+torch.set_num_threads(2)
+x = torch.full((1 << 22,), 1e-39)  # denormal; large enough for every OpenMP thread to get a share
+(x * 1.0).sum()  # the pool exists before the flush, as in the engine
+def halves():
+    y = x * 1.0
+    n = y.numel() // 2
+    return [bool((y[:n] == 0).all()), bool((y[n:] == 0).all())]
+before = halves()
+ok = flush_denormals_on_all_threads()
+print(json.dumps({"before": before, "ok": ok, "after": halves(),
+                  "threads": torch.get_num_threads()}))
+"""
+
+
+def test_denormals_flushed_on_every_openmp_thread() -> None:
+    """After the call, a denormal times 1.0 is 0 in both halves of a parallel op (each half on
+    its own OpenMP thread), though the pool already existed; before it, it is not. Runs in a
+    subprocess: the flag is process state."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FTZ_PROBE], capture_output=True, text=True, check=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["before"] == [False, False]
+    assert got["ok"] is True
+    assert got["after"] == [True, True]

@@ -9,7 +9,9 @@ else lives here. The switches are read once, at import, from the environment:
                           batches; a batch with speculative tokens stays on upstream's kernels).
                           On CPU the layer then runs ``forward_cuda`` (projections in the
                           compiled graph, core through the ``qwen_gdn_attention_core`` op) instead
-                          of upstream's bf16-only ``cpu_gdn_attention_core``.
+                          of upstream's bf16-only ``cpu_gdn_attention_core``, and the
+                          process flushes denormal floats to zero (see
+                          ``cpu_kernel_fixes.flush_denormals_on_all_threads``).
 ``MOE_NATIVE=1``          MoE prefill (more than ``MOE_DECODE_MAX_TOKENS`` tokens) through the
                           sort-by-expert path, and MoE decode through the native gather + bmm
                           path (or sort-by-expert with ``MOE_DECODE_NATIVE=1``).
@@ -154,6 +156,19 @@ def _conv_weight(layer: Any) -> torch.Tensor:
     return w.view(w.size(0), w.size(2)) if w.dim() == 3 else w
 
 
+_denormals_flushed = False
+
+
+def _flush_cpu_denormals() -> None:
+    """Once per process, from the thread that runs the model (the OpenMP master)."""
+    global _denormals_flushed
+    from vllm_overrides.cpu_kernel_fixes import flush_denormals_on_all_threads
+
+    _denormals_flushed = True
+    ok = flush_denormals_on_all_threads()
+    _info_once("gdn-ftz", "GDN_NATIVE on CPU: denormals flushed on all threads: %s", ok)
+
+
 def gdn_forward_core(
     layer: Any,
     mixed_qkv: torch.Tensor,
@@ -177,6 +192,8 @@ def gdn_forward_core(
         return False
     _mark("gdn_core")
     report_usage()
+    if not _denormals_flushed and mixed_qkv.device.type == "cpu":
+        _flush_cpu_denormals()
     kv = layer.kv_cache
     conv_state = kv[0] if is_conv_state_dim_first() else kv[0].transpose(-1, -2)
     ssm_state = kv[1]
