@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.serverlib import start_local_server, stop_process_group, wait_healthy
 
@@ -31,13 +32,15 @@ def free_port_in_range() -> int:
 
 
 @contextmanager
-def engine_server(log: Path, env: dict[str, str], extra_args: list[str]) -> Iterator[str]:
+def engine_server(
+    log: Path, env: dict[str, str], extra_args: list[str], launcher_args: list[str] = ()
+) -> Iterator[str]:
     port = free_port_in_range()
     proc, _ = start_local_server(
         log,
         extra_args,
         {"VLLM_CPU_KVCACHE_SPACE": "1", **env},
-        ["--port", str(port), "--max-model-len", "16384"],  # float32 KV fits 1 GiB
+        ["--port", str(port), "--max-model-len", "16384", *launcher_args],  # fp32 KV: 1 GiB
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -70,6 +73,18 @@ def greedy(url: str, ids: list[int], max_tokens: int = 64) -> dict[str, Any]:
 def greedy_many(url: str, prompts: list[list[int]], max_tokens: int = 64) -> list[dict[str, Any]]:
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda p: greedy(url, p, max_tokens), prompts))
+
+
+def check_same_tokens(name: str, got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Fail with the first divergent token (and the oracle's top-2 gap there), if any."""
+    i = first_divergence(got["tokens"], want["tokens"])
+    if i is not None:
+        gap = want["top2_gap"][i] if i < len(want["top2_gap"]) else float("nan")
+        pytest.fail(
+            f"{name}: first divergence at generated token {i}: engine {got['tokens'][i]} "
+            f"(logprob {got['logprobs'][i]:.6f}) vs HF {want['tokens'][i]} "
+            f"(logprob {want['logprobs'][i]:.6f}, HF top-2 gap {gap:.3g})"
+        )
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

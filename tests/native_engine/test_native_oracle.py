@@ -10,20 +10,19 @@ runs in this process before the server starts (cached in build/ by the tiny mode
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.native_engine import hf_oracle
 from tests.native_engine.enginelib import (
     NATIVE_ON,
     engine_server,
-    first_divergence,
     greedy,
     greedy_many,
+)
+from tests.native_engine.enginelib import (
+    check_same_tokens as _check,
 )
 from tests.serverlib import REPO_DIR
 
@@ -31,37 +30,10 @@ pytestmark = pytest.mark.server
 LOG = REPO_DIR / "build" / "native-engine-fp32.log"
 
 
-def _oracle_cache() -> Path:
-    info = json.loads((hf_oracle.TINY_MODEL / "tiny_model_build.json").read_text())
-    key = str(info.get("hash", info.get("spec_hash", "x")))[:16]
-    return REPO_DIR / "build" / f"hf_oracle_{key}.json"
-
-
-@pytest.fixture(scope="module")
-def oracle() -> dict[str, Any]:
-    path = _oracle_cache()
-    if path.exists():
-        return json.loads(path.read_text())
-    data = hf_oracle.compute_all()
-    path.write_text(json.dumps(data))
-    return data
-
-
 @pytest.fixture(scope="module")
 def url(oracle: dict[str, Any]) -> Iterator[str]:  # oracle first: no CPU contention
     with engine_server(LOG, NATIVE_ON, ["--dtype", "float32"]) as u:
         yield u
-
-
-def _check(name: str, got: dict[str, Any], want: dict[str, Any]) -> None:
-    i = first_divergence(got["tokens"], want["tokens"])
-    if i is not None:
-        gap = want["top2_gap"][i] if i < len(want["top2_gap"]) else float("nan")
-        pytest.fail(
-            f"{name}: first divergence at generated token {i}: engine {got['tokens'][i]} "
-            f"(logprob {got['logprobs'][i]:.6f}) vs HF {want['tokens'][i]} "
-            f"(logprob {want['logprobs'][i]:.6f}, HF top-2 gap {gap:.3g})"
-        )
 
 
 @pytest.mark.parametrize("name", ["len20", "len500", "len2000"])

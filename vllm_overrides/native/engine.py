@@ -260,7 +260,9 @@ def register_moe_block(block: Any, vllm_config: Any, prefix: str) -> None:
     why = []
     if vllm_config.quant_config is not None:
         why.append("quantised weights")
-    if getattr(block, "ep_size", 1) != 1 or vllm_config.parallel_config.enable_expert_parallel:
+    # Only the flag means EP: ``block.ep_size`` is the size of vLLM's EP *group*, which spans
+    # the TP ranks whether or not experts are split (it is 4 at -tp 4 without EP).
+    if vllm_config.parallel_config.enable_expert_parallel:
         why.append("expert parallelism")
     if getattr(block, "enable_eplb", False):
         why.append("EPLB")
