@@ -536,6 +536,37 @@ class Bench:
         log(f"  native index_select: {res['native_index_select']}")
         if self.dev.type == "cuda" and B == 64:
             res["profile_native"] = profile_table(native_fn(x0))
+        # Fused gather+decay over the cache's K-float rows, and/or the element-wise rank-1 update.
+        for gather, update in (
+            ("index_select", "addcmul"),
+            ("rows", "baddbmm"),
+            ("rows", "addcmul"),
+        ):
+            key = f"native_{gather}_{update}"
+
+            def var(
+                x: dict[str, torch.Tensor], g_: str = gather, u_: str = update
+            ) -> Callable[[], Any]:
+                return lambda: gdn.gated_delta_rule_decode(
+                    x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], idx, gather=g_, update=u_
+                )
+
+            st = torch.cat([x0["state"][:1], start])
+            o = gdn.gated_delta_rule_decode(
+                x0["q"],
+                x0["k"],
+                x0["v"],
+                x0["g"],
+                x0["beta"],
+                st,
+                idx,
+                gather=gather,
+                update=update,
+            )
+            res[f"{key}_err"] = rel(o, ro)
+            res[f"{key}_state_err"] = rel(st[1:], rfin)
+            res[key] = self.timer.both([var(x) for x in sets], 5.0)
+            log(f"  {key}: {res[key]}")
 
         def packed(x: dict[str, torch.Tensor]) -> Callable[[], Any]:
             return lambda: gdn.fused_recurrent_gated_delta_rule_packed_decode(
@@ -643,6 +674,25 @@ class Bench:
                 )
 
             res["gemms_alone"] = self.timer.both([gemms(d) for d in sets], 5.0)
+            # Routing alone: the stable sort (route's contract: ties by ascending expert id)
+            # against a plain top-k of the same logits; and whether top-k picks the same
+            # experts in the same order on bf16 logits full of ties.
+            res["route_sort"] = self.timer.both(
+                [lambda d=d: moe.route(d["logits"], k, True) for d in sets], 3.0
+            )
+            res["route_topk"] = self.timer.both(
+                [lambda d=d: torch.topk(d["logits"], k, dim=-1) for d in sets], 3.0
+            )
+            tied = torch.randint(-3, 4, (T, E), device=dev).to(torch.bfloat16)
+            res["route_topk_same_ids_on_ties"] = bool(
+                torch.equal(torch.topk(tied, k, dim=-1).indices, moe.route(tied, k, True)[1])
+            )
+            if T == 1 and self.dev.type == "cuda":
+                res["profile_native_gather"] = profile_table(
+                    lambda d=d0: moe.moe_experts_decode(
+                        d["x"], *moe.route(d["logits"], k, True), w13, w2, "gather"
+                    )
+                )
             for method in ("gather", "grouped", "dense"):
 
                 def nat(d: dict[str, torch.Tensor], m: str = method) -> Callable[[], Any]:
@@ -941,7 +991,8 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                 )
         elif kind == "gdn_decode":
             base = c.get("fla")
-            for mode in ("native_index_select", "native_packed_api"):
+            modes = [m for m in c if m.startswith("native_") and isinstance(c[m], dict)]
+            for mode in sorted(modes, key=lambda m: m == "native_packed_api"):
                 nb, bb = _best(c.get(mode)), _best(base)
                 ratio = f"{nb / bb:.2f}x" if nb and bb else "-"
                 tgt = ""
