@@ -168,3 +168,21 @@ def test_combine_csr_equals_gather() -> None:
     _, inverse, _ = moe._sorted_pairs(ids, E)
     y = torch.randn(T * k, H)
     assert rel_err(moe._combine(y, inverse, k, "csr"), moe._combine(y, inverse, k)) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "offset"),
+    [
+        ((16, 8, 64), torch.bfloat16, 0),  # 8-byte words
+        ((16, 8, 64), torch.float32, 0),
+        ((16, 3, 5), torch.bfloat16, 0),  # row of 30 bytes: as stored
+        ((16, 8, 64), torch.bfloat16, 4),  # a view 8 bytes into its storage
+    ],
+)
+def test_gather_blocks_equals_index_select(shape: tuple, dtype: torch.dtype, offset: int) -> None:
+    base = torch.randn(shape[0] * int(torch.tensor(shape[1:]).prod()) + offset).to(dtype)
+    w = base[offset:].view(shape)
+    ids = torch.randint(0, shape[0], (11,))
+    got = moe.gather_blocks(w, ids)
+    assert got.shape == (11, *shape[1:]) and got.dtype == dtype
+    assert torch.equal(got, w.index_select(0, ids))
