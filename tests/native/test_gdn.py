@@ -238,17 +238,16 @@ def test_decode_null_pad_slots_and_gather_modes(state_dtype: torch.dtype) -> Non
     v = torch.randn(B, HV, V)
     g, beta = _gates(B, HV, "qwen")
     results = {}
-    variants = [("index_select", "baddbmm"), ("index_select", "addcmul")]
-    if state_dtype == torch.float32:  # the fused gathers read float32 caches only
-        variants += [("embedding_bag", "baddbmm"), ("rows", "baddbmm"), ("rows", "addcmul")]
-    for mode, update in variants:
+    for mode in ("index_select", "embedding_bag"):
         c = cache.clone()
-        o = gdn.gated_delta_rule_decode(q, k, v, g, beta, c, idx, gather=mode, update=update)
-        results[(mode, update)] = (o, c)
-    o, c = results[("index_select", "baddbmm")]
-    for other_o, other_c in results.values():  # same math, other float32 rounding order
-        assert rel_err(other_o, o) <= FP32_TOL
-        assert rel_err(other_c.float(), c.float()) <= FP32_TOL
+        if mode == "embedding_bag" and state_dtype != torch.float32:
+            continue
+        o = gdn.gated_delta_rule_decode(q, k, v, g, beta, c, idx, gather=mode)
+        results[mode] = (o, c)
+    o, c = results["index_select"]
+    if "embedding_bag" in results:
+        assert rel_err(results["embedding_bag"][0], o) <= 1e-6
+        assert rel_err(results["embedding_bag"][1], c) <= 1e-6
     live = [0, 2, 4, 5]
     ro, rfin = ref.gated_delta_rule_reference(
         q[live],

@@ -747,7 +747,6 @@ def _decode_core(
     scale: float,
     use_qk_l2norm: bool,
     gather: str,
-    update: str = "baddbmm",
 ) -> torch.Tensor:
     """One recurrent step. ``qk [B, H, 2, K]`` float32 raw (``[:, :, 0]`` = q, ``1`` = k);
     ``e = exp(g)`` and ``bt = beta`` ``[B, HV]`` float32, already 1 / 0 on dead rows."""
@@ -770,18 +769,8 @@ def _decode_core(
     # he = exp(g) * h for the live slots: one pass (gather and decay fused) when possible.
     # "auto" = index_select: on the H200 embedding_bag's gather+scale pass ran at well under
     # half the copy bandwidth (108 us vs ~35 us for index_select + mul_ at B=64, TP4).
-    fp32_cache = state.dtype == torch.float32 and state.is_contiguous()
-    if gather == "rows" and fp32_cache:
-        # embedding_bag over the cache's K-float rows, one weighted row per bag: gather and
-        # decay in one pass, in the [n, 128] shape embedding kernels are tuned for.
-        rows = torch.add(torch.arange(HV * V, device=dev), idx.view(B, 1), alpha=HV * V)
-        he = F.embedding_bag(
-            rows.view(-1, 1),
-            state.view(-1, K),
-            mode="sum",
-            per_sample_weights=e.view(B, HV, 1).expand(B, HV, V).reshape(-1, 1),
-        ).view(B, HV, V, K)
-    elif gather == "embedding_bag" and fp32_cache:
+    use_bag = gather == "embedding_bag" and state.dtype == torch.float32 and state.is_contiguous()
+    if use_bag:
         rows = torch.add(torch.arange(HV, device=dev), idx.view(B, 1), alpha=HV)
         he = F.embedding_bag(
             rows.view(-1, 1),
@@ -805,10 +794,7 @@ def _decode_core(
     o = torch.addcmul(hq, delta, c.view(B, H, 1, 1))
     # h' = h_e + delta k^T with k normalised: fold 1/|k| into delta.
     dk = delta * r[:, 1].view(B, H, 1, 1)
-    if update == "addcmul":  # broadcast outer product, an element-wise pass
-        he3.addcmul_(dk.view(BH, R * V, 1), qk3[:, 1:2, :])
-    else:  # rank-1 GEMM
-        he3.baddbmm_(dk.view(BH, R * V, 1), qk3[:, 1:2, :])
+    he3.baddbmm_(dk.view(BH, R * V, 1), qk3[:, 1:2, :])
     state.index_copy_(0, idx, he.view(B, HV, V, K).to(state.dtype))
     o = o.view(B, HV, V)
     if valid is not None:
@@ -828,7 +814,6 @@ def gated_delta_rule_decode(
     use_qk_l2norm_in_kernel: bool = True,
     null_block_id: int = NULL_BLOCK_ID,
     gather: str = "auto",
-    update: str = "baddbmm",
 ) -> torch.Tensor:
     """One recurrent step for ``B`` sequences, updating their states in place.
 
@@ -849,9 +834,8 @@ def gated_delta_rule_decode(
         state_indices: ``[B]`` slots (default ``arange(B)``). Rows whose slot is
             ``null_block_id`` or negative output zeros and keep every state unchanged.
         scale: default ``K ** -0.5``.
-        gather: ``"auto"`` / ``"index_select"``, or ``"embedding_bag"`` / ``"rows"``
-            (gather and decay fused; float32 contiguous caches only).
-        update: ``"baddbmm"`` (rank-1 GEMM) or ``"addcmul"`` (broadcast product).
+        gather: ``"auto"`` / ``"index_select"``, or ``"embedding_bag"`` (float32 contiguous
+            caches only).
 
     Returns:
         ``o [B, HV, V]`` float32.
@@ -865,9 +849,7 @@ def gated_delta_rule_decode(
     if valid is not None:
         e = torch.where(valid.view(B, 1), e, 1.0)
         bt = torch.where(valid.view(B, 1), bt, 0.0)
-    return _decode_core(
-        qk, v, e, bt, state, idx, valid, scale, use_qk_l2norm_in_kernel, gather, update
-    )
+    return _decode_core(qk, v, e, bt, state, idx, valid, scale, use_qk_l2norm_in_kernel, gather)
 
 
 def fused_recurrent_gated_delta_rule_packed_decode(
