@@ -315,8 +315,9 @@ def moe_experts_decode(
         method = "dense" if 3 * T * k >= E else "gather"
     flat = topk_ids.reshape(-1)
     if method == "gather":
-        # Whole expert matrices are gathered along dim 0 (contiguous 0.5-1 MB blocks: copy
-        # speed). [T, k*2I, H]: token t's k experts stacked along the output rows -> one GEMV.
+        # Whole expert matrices are gathered along dim 0 (contiguous 0.5-1 MB blocks, as
+        # 8-byte words). [T, k*2I, H]: token t's k experts stacked along the output rows -> one
+        # GEMV.
         w13g = gather_blocks(w13, flat).view(T, k * twoI, H)
         h = torch.bmm(w13g, x.view(T, H, 1)).view(T, k, twoI)
         act = _weighted_act(h, topk_weights.unsqueeze(-1))  # [T, k, I]
