@@ -46,3 +46,13 @@ def _max_model_len(srv: Server) -> int:
     with srv.client() as c:
         models = c.get("/v1/models").json()["data"]
     return int(next(m for m in models if m["id"] == srv.model)["max_model_len"])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run tests/native_engine first. Its modules start their own servers (float32, and at
+    ``-tp 2`` one worker process per rank); the shared servers above live for the whole session
+    once started, and on a 24 GiB CI machine the main server, the admission tests' small server
+    and the TP2 server together ran out of memory (the kernel killed the main server's worker)."""
+    first = [i for i in items if "native_engine" in i.path.parts]
+    if first:
+        items[:] = first + [i for i in items if "native_engine" not in i.path.parts]
