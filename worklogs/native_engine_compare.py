@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +30,26 @@ from tests.native_engine.enginelib import (  # noqa: E402
     greedy,
 )
 from tests.serverlib import REPO_DIR  # noqa: E402
+
+
+def machine() -> dict:
+    """What the ratios depend on: upstream's CPU kernels take AVX-512-BF16 / AMX fast paths
+    where the CPU has them (their C++ conv, for one, runs only there)."""
+    flags: set[str] = set()
+    model = "?"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name") and model == "?":
+            model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+    isa = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_DIR, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "cpu_model": model, "cpus": os.cpu_count(), "isa": sorted(f for f in isa if f in flags),
+        "commit": commit,
+    }  # fmt: skip
 
 
 def run(setting: str, env: dict[str, str], dtype: str) -> dict:
@@ -69,6 +91,7 @@ def main() -> None:
         worst = max(worst, d)
         per[name] = {"first_divergence": i, "max_logprob_diff_to_divergence": d}
     result = {
+        "machine": machine(),
         "dtype": args.dtype,
         "identical_token_share": same / total,
         "max_chosen_logprob_diff": worst,
