@@ -396,7 +396,7 @@ class Bench:
         )
         res["ref_s"] = round(time.time() - t, 1)
 
-        def native(tri: str = "matmul") -> tuple[torch.Tensor, torch.Tensor]:
+        def native(tri: str = "matmul", tf32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
             return gdn.chunk_gated_delta_rule(
                 q,
                 k,
@@ -409,15 +409,14 @@ class Bench:
                 use_qk_l2norm_in_kernel=True,
                 layout=layout,
                 tri_solve=tri,
+                tf32=tf32,
             )
 
-        old = torch.backends.cuda.matmul.allow_tf32
         # (tri_solve="torch", cuBLAS trsm, lost at TP4 16K: 3.43 vs 2.77 ms in run 2, 2.91 vs
         # 2.22 ms in the 2026-12-01 run)
         modes = (("native_fp32", False, "matmul"), ("native_tf32", True, "matmul"))
         for mode, tf32, tri in modes:
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-            fn = functools.partial(native, tri)
+            fn = functools.partial(native, tri, tf32)
             o, fin = fn()
             res[f"{mode}_err"] = rel(o[0], ro)
             res[f"{mode}_state_err"] = rel(fin, rfin)
@@ -426,7 +425,6 @@ class Bench:
             log(f"  {mode}: {res[mode]} err {res[f'{mode}_err']:.2e}")
             if self.dev.type == "cuda" and tp == 4 and T == 16384 and mode == "native_tf32":
                 res["profile_native_tf32"] = profile_table(fn, n=3)
-        torch.backends.cuda.matmul.allow_tf32 = old
 
         if self.fla is not None:
             chunk = self.fla[0]

@@ -504,3 +504,31 @@ def test_chunk_prefill_only_empty_sequences() -> None:
         cu_seqlens=_cu([0, 0]),
     )
     assert o.shape == (1, 0, HV, V) and torch.equal(fin, h0)
+
+
+def test_cuda_tf32_scope_restores_the_process_setting() -> None:
+    """``tf32`` only scopes CUDA's TF32 switch around the prefill: the process-wide setting
+    (vLLM's VLLM_FLOAT32_MATMUL_PRECISION) is back afterwards, also when the body raises; CPU
+    results do not depend on it."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for start in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = start
+            with gdn._cuda_tf32(True):
+                assert torch.backends.cuda.matmul.allow_tf32 is True
+            assert torch.backends.cuda.matmul.allow_tf32 is start
+            with pytest.raises(RuntimeError), gdn._cuda_tf32(True):
+                raise RuntimeError("boom")
+            assert torch.backends.cuda.matmul.allow_tf32 is start
+            with gdn._cuda_tf32(False):
+                assert torch.backends.cuda.matmul.allow_tf32 is start
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    H, HV, K, V = 2, 4, 32, 16
+    cu = _cu([70, 5])
+    T = int(cu[-1])
+    q, k, v = torch.randn(1, T, H, K), torch.randn(1, T, H, K), torch.randn(1, T, HV, V)
+    g, beta = _gates(T, HV, "qwen")
+    o1, f1 = gdn.chunk_gated_delta_rule(q, k, v, g[None], beta[None], cu_seqlens=cu, tf32=True)
+    o2, f2 = gdn.chunk_gated_delta_rule(q, k, v, g[None], beta[None], cu_seqlens=cu, tf32=False)
+    assert torch.equal(o1, o2) and torch.equal(f1, f2)
