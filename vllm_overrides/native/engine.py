@@ -272,10 +272,17 @@ def register_moe_block(block: Any, vllm_config: Any, prefix: str) -> None:
         why.append("fused shared expert")
     if getattr(block, "replicate_shared_expert", False):
         why.append("replicated shared expert")
+    if not why and _expert_weights(block) is None:
+        why.append("expert weights not in [E,2I,H]/[E,H,I]")
     if why:
         _info_once("moe-upstream", "MOE_NATIVE: upstream MoE kernels kept (%s)", ", ".join(why))
         return
     block._vo_native_moe = True
+    # With MOE_NATIVE every bucket is native, so only the routed experts need the opaque op:
+    # router, shared expert and all-reduce stay in the traced graph (compiled with the rest of
+    # the layer). PROF_MOE_SUMMARY times the sections one by one, so it keeps the whole block
+    # in the op, as does MOE_DECODE_NATIVE alone (its prefill is upstream's whole block).
+    block._vo_split = MOE_NATIVE and not MOE_SUMMARY_EVERY
     block._vo_name = prefix
     block._vo_top_k = int(config.num_experts_per_tok)
     block._vo_renormalize = bool(getattr(config, "norm_topk_prob", True))
@@ -401,18 +408,7 @@ def _moe_native_impl(x: torch.Tensor, layer_name: str) -> torch.Tensor:
         with _timed(x, bucket, "routed", timing):
             logits = block.gate(x)
             logits = logits[0] if isinstance(logits, tuple) else logits
-            topk_w, topk_ids = moe.route(logits, block._vo_top_k, block._vo_renormalize)
-            if bucket == "prefill":
-                out = moe.moe_experts_prefill(x, topk_w, topk_ids, w13, w2)
-            elif MOE_DECODE_NATIVE:
-                grouped = moe.grouped_mm_available(x.device, x.dtype)
-                out = (
-                    moe.moe_experts_decode(x, topk_w, topk_ids, w13, w2, "grouped")
-                    if grouped
-                    else moe.moe_experts_prefill(x, topk_w, topk_ids, w13, w2, "loop")
-                )
-            else:
-                out = moe.moe_experts_decode(x, topk_w, topk_ids, w13, w2, "gather")
+            out = _routed_experts(block, x, logits, bucket, w13, w2)
         if block.shared_expert is not None:
             with _timed(x, bucket, "shared", timing):
                 out = out + block.shared_expert(x)
@@ -444,8 +440,61 @@ def _native_moe_fake(x: torch.Tensor, layer_name: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+def _routed_experts(
+    block: Any,
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    bucket: str,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    topk_w, topk_ids = moe.route(logits, block._vo_top_k, block._vo_renormalize)
+    if bucket == "prefill":
+        return moe.moe_experts_prefill(x, topk_w, topk_ids, w13, w2)
+    if MOE_DECODE_NATIVE:
+        if moe.grouped_mm_available(x.device, x.dtype):
+            return moe.moe_experts_decode(x, topk_w, topk_ids, w13, w2, "grouped")
+        return moe.moe_experts_prefill(x, topk_w, topk_ids, w13, w2, "loop")
+    return moe.moe_experts_decode(x, topk_w, topk_ids, w13, w2, "gather")
+
+
+@torch.library.custom_op("vllm_overrides::native_moe_routed", mutates_args=())
+def native_moe_routed(
+    x: torch.Tensor, router_logits: torch.Tensor, layer_name: str
+) -> torch.Tensor:
+    """The routed experts of one layer (routing included; no shared expert, no all-reduce);
+    opaque to torch.compile: its token-count dispatch and the prefill's data-dependent work stay
+    out of the traced graph."""
+    block = _MOE_BLOCKS[layer_name]
+    bucket = "decode" if x.shape[0] <= MOE_DECODE_MAX_TOKENS else "prefill"
+    weights = _expert_weights(block)
+    assert weights is not None  # checked when the block registered
+    _mark(f"moe_{bucket}_native")
+    report_usage()
+    with _range(f"vo.moe.{bucket}.routed"):
+        return _routed_experts(block, x, router_logits, bucket, *weights)
+
+
+@native_moe_routed.register_fake
+def _native_moe_routed_fake(
+    x: torch.Tensor, router_logits: torch.Tensor, layer_name: str
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def moe_block_forward(block: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``Qwen3NextSparseMoeBlock.forward`` on the native path (traceable: one custom op)."""
+    """``Qwen3NextSparseMoeBlock.forward`` on the native path (traceable)."""
     orig_shape = hidden_states.shape
     x = hidden_states.view(-1, hidden_states.shape[-1])
-    return torch.ops.vllm_overrides.native_moe(x, block._vo_name).view(orig_shape)
+    if not block._vo_split:
+        return torch.ops.vllm_overrides.native_moe(x, block._vo_name).view(orig_shape)
+    logits = block.gate(x)
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    out = torch.ops.vllm_overrides.native_moe_routed(x, logits, block._vo_name)
+    if block.shared_expert is not None:
+        out = out + block.shared_expert(x)
+    if block.tp_size > 1:
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        out = tensor_model_parallel_all_reduce(out)
+    return out.view(orig_shape)
