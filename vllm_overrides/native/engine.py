@@ -30,9 +30,12 @@ else lives here. The switches are read once, at import, from the environment:
 Everything else -- quantised weights, expert parallelism, EPLB, sequence-parallel MoE, fused
 or replicated shared experts -- keeps upstream's kernels, with one log line saying why.
 
-Capture / compile safety: the MoE block is one opaque custom op (``vllm_overrides::native_moe``)
-so its token-count dispatch and the prefill path's host sync never enter the compiled graph;
-inside it the decode paths are static-shape and sync-free. The GDN core already runs inside
+Capture / compile safety: the routed experts are one opaque custom op
+(``vllm_overrides::native_moe_routed``; the whole block, ``vllm_overrides::native_moe``, when
+``PROF_MOE_SUMMARY`` times its sections or ``MOE_DECODE_NATIVE`` is on alone) so their
+token-count dispatch and the prefill path's data-dependent work never enter the compiled graph;
+router, shared expert and all-reduce are traced with the layer. Inside the op the decode paths
+are static-shape and sync-free. The GDN core already runs inside
 upstream's opaque ``qwen_gdn_attention_core`` op. The two norms are plain traceable code and
 are traced into the graph (the ``USAGE`` counters prove they were).
 """
