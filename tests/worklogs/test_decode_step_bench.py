@@ -1,0 +1,66 @@
+"""CPU smoke of worklogs/decode_step_bench.py: the whole decode step runs and reports sanely."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "worklogs" / "decode_step_bench.py"
+VARIANTS = {"torch", "cuda", "fla"}
+
+
+def test_decode_step_bench_smoke(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "decode_step_bench.json").read_text())
+    m = res["meta"]
+    assert m["smoke"] and m["torch"] and m["device"] and m["commit"]
+    assert "decode_step_bench.py" in m["command"] and "--smoke" in m["command"]
+    s = m["shapes"]
+    n_attn = sum((i + 1) % s["attn_every"] == 0 for i in range(s["layers"]))
+    n_gdn = s["layers"] - n_attn
+    assert n_attn >= 1 and n_gdn >= 2
+    assert m["allreduce_left_out_per_step"] == 2 * s["layers"] + 1
+    assert 0 < res["copy_GBps"] < 1e5
+
+    cases = res["cases"]
+    keys = {(c["batch"], c["context"], c["variant"]) for c in cases}
+    assert keys == {(b, 64, v) for b in (1, 2) for v in VARIANTS}, keys
+    assert len(cases) == len(keys)
+    ran = {c["batch"]: c for c in cases if c["variant"] == "torch"}
+    for c in cases:
+        if c["variant"] != "torch":  # no CUDA here: skipped, with the reason
+            assert "eager_ms" not in c and c["skipped"], c
+    for B, c in ran.items():
+        assert "error" not in c and "skipped" not in c, c.get("traceback", c)
+        assert c["backend"] == "torch" and c["logits_finite"] is True
+        assert len(c["eager_ms_reps"]) == 3
+        assert math.isfinite(c["eager_ms"]) and 0 < c["eager_ms"] < 10_000
+        assert math.isclose(c["tokens_per_s_eager"], B * 1e3 / c["eager_ms"])
+        assert c["graph_ms"] is None and "CUDA graphs" in c["graph_error"]  # CPU: recorded why
+        n = c["launches"]
+        assert all(n[k] > 0 for k in ("step", "gdn_layer", "attn_layer", "moe_block", "head"))
+        assert n["moe_block"] < min(n["gdn_layer"], n["attn_layer"])
+        # the step is its layers and head (the first layer's plain norm differs by a few ops)
+        parts = n_gdn * n["gdn_layer"] + n_attn * n["attn_layer"] + n["head"]
+        assert abs(n["step"] - parts) <= 10, (n, parts)
+        assert math.isclose(n["per_layer_avg"], n["step"] / s["layers"])
+        b = c["bytes"]
+        assert b["weights"] > 0 and b["gdn_state_rw"] > 0 and b["kv_read"] > 0
+        assert 0 < c["floor_ms"] < c["eager_ms"]
+        assert math.isclose(c["eager_over_floor"], c["eager_ms"] / c["floor_ms"])
+    # two sequences touch more experts and more state than one
+    assert ran[2]["bytes"]["weights"] > ran[1]["bytes"]["weights"]
+    assert ran[2]["bytes"]["kv_read"] == 2 * ran[1]["bytes"]["kv_read"]
+
+    table = (tmp_path / "decode_step_bench.txt").read_text()
+    assert table.splitlines()[0].startswith("decode step")
+    assert all(v in table for v in VARIANTS) and "all-reduce left out" in table

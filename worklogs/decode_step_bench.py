@@ -1,0 +1,585 @@
+#!/usr/bin/env python3
+"""Whole decode step of one TP4 rank of Qwen3.6-35B-A3B from our native ops (issue 14, item 1).
+
+One rank's step, in the model's order: 40 layers (layers 3, 7, ..., 39 gated full attention,
+the rest Gated DeltaNet), each with its ``(1 + w)`` RMSNorms and fused residual adds, its
+projections (``F.linear``), its mixer and the MoE block (router, routed experts, shared expert
+with its sigmoid gate), then the final norm and the LM-head shard. Weights are random, states
+and caches have their real shapes. The ops are ``vllm_overrides.native.kernels``:
+
+* ``torch``: ``kernels.set_backend("torch")``, the PyTorch-only native ops;
+* ``cuda``: ``kernels.set_backend("cuda")``, the fused kernels (skipped with the reason when the
+  extension does not load);
+* ``fla``: as ``cuda`` (``torch`` when the extension does not load; the row says which) but the
+  GDN core is a plain torch conv update + gates + FLA's ``fused_recurrent_gated_delta_rule``
+  (Triton) with the final state copied back into the cache slots (fla-core returns it, it does
+  not update the cache in place).
+
+Stand-ins (the same in every variant): attention over the KV cache is torch SDPA over a
+contiguous per-sequence cache ``[B, kv_heads, context, 256]`` (the new token's k/v written in
+place at position context-1 with ``index_copy_``; the 4 q heads of the one kv head go in as 4
+query rows, which is exact GQA for one new token) instead of vLLM's paged attention kernel;
+rotary is plain PyTorch on the 64 rotary dims (a ``cos_sin_cache`` row lookup per layer, as
+vLLM's rotary op does). Left out: the embedding lookup, sampling, and every collective -- on one
+GPU there is no all-reduce; a TP4 step has 2 per layer + 1 for the LM head (81), counted in the
+output.
+
+Per case (batch x context x variant): ms per step eager (wall time of N steps / N, CUDA sync
+around) and under CUDA-graph replay (one captured step; the reason when capture fails), kernel
+launches per step (torch.profiler: CUDA kernels + memcpy/memset of one step, and of one layer of
+each type), the floor (weight bytes read per step + state/KV bytes, over the copy bandwidth
+measured in this run) and tokens/s. A step decodes one token for each of the B sequences, so
+ms/step is each sequence's ms/token and tokens/s = B / step time.
+
+GPU (no vLLM needed: plain torch, optional fla)::
+
+    NATIVE_KERNELS_JIT=1 python3 worklogs/decode_step_bench.py --out $OUT
+
+``--smoke``: tiny shapes on the CPU in seconds (launches are then top-level CPU operators).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "worklogs"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from kernel_bench import Timer, log  # noqa: E402
+
+from vllm_overrides.native import gdn  # noqa: E402
+from vllm_overrides.native import kernels as kn  # noqa: E402
+
+VARIANTS = ("torch", "cuda", "fla")
+NOTES = [
+    "one TP4 rank, one GPU: all-reduce left out (2 per layer + 1 LM-head all-gather per step)",
+    "attention: torch SDPA over a contiguous [B, kv, ctx, D] cache, new k/v written with "
+    "index_copy_ at ctx-1 (stands in for vLLM's paged attention)",
+    "rotary: plain PyTorch on the rotary dims; embedding lookup and sampling left out",
+    "ms/step = each sequence's ms/token; tokens/s = B * 1000 / ms",
+    "floor: weight bytes (routed experts: expected distinct experts under uniform routing) "
+    "+ GDN state read/write + KV read, over the measured copy GB/s (read+write bytes)",
+]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Per-rank shapes at TP4 (defaults: Qwen3.6-35B-A3B)."""
+
+    hidden: int = 2048
+    layers: int = 40
+    attn_every: int = 4  # layers 3, 7, ... are full attention
+    k_heads: int = 4
+    v_heads: int = 8
+    head_k: int = 128
+    head_v: int = 128
+    conv: int = 4
+    q_heads: int = 4
+    kv_heads: int = 1
+    head_dim: int = 256
+    rotary: int = 64
+    rope_theta: float = 1e7
+    experts: int = 256
+    top_k: int = 8
+    inter: int = 128
+    shared_inter: int = 128
+    vocab: int = 248320 // 4
+    eps: float = 1e-6
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_heads * self.head_k + self.v_heads * self.head_v
+
+    def is_attn(self, i: int) -> bool:
+        return (i + 1) % self.attn_every == 0
+
+
+SMOKE = Shapes(
+    hidden=64, layers=4, k_heads=2, v_heads=4, head_k=16, head_v=16, head_dim=32, rotary=8,
+    experts=16, top_k=4, inter=16, shared_inter=16, vocab=512,
+)  # fmt: skip
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class DecodeStep:
+    """Weights of every layer and the states of one (batch, context) case; :meth:`step` runs it."""
+
+    def __init__(self, s: Shapes, dtype: torch.dtype, dev: torch.device) -> None:
+        self.s, self.dtype, self.dev = s, dtype, dev
+        self.fla: Callable[..., Any] | None = None  # set: FLA does the GDN core
+
+        def w(*shape: int, scale: float | None = None) -> torch.Tensor:
+            t = torch.randn(*shape, device=dev, dtype=dtype)
+            return t.mul_(scale if scale is not None else shape[-1] ** -0.5)
+
+        def moe() -> dict[str, torch.Tensor]:
+            E, H, inter, Is = s.experts, s.hidden, s.inter, s.shared_inter
+            return {
+                "router": w(E, H), "w13": w(E, 2 * inter, H), "w2": w(E, H, inter),
+                "sh_gu": w(2 * Is, H), "sh_down": w(H, Is), "sh_gate": w(1, H),
+            }  # fmt: skip
+
+        H, HVV = s.hidden, s.v_heads * s.head_v
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(s.layers):
+            lw = {"in_norm": w(H, scale=0.1), "post_norm": w(H, scale=0.1), **moe()}
+            if s.is_attn(i):
+                qkv = 2 * s.q_heads * s.head_dim + 2 * s.kv_heads * s.head_dim
+                lw.update(
+                    qkv=w(qkv, H), q_norm=w(s.head_dim, scale=0.1), k_norm=w(s.head_dim, scale=0.1),
+                    o_proj=w(H, s.q_heads * s.head_dim),
+                )  # fmt: skip
+            else:
+                lw.update(
+                    qkvz=w(s.conv_dim + HVV, H), ba=w(2 * s.v_heads, H), conv=w(s.conv_dim, s.conv),
+                    A_log=torch.empty(s.v_heads, device=dev).uniform_(1.0, 16.0).log_(),
+                    dt_bias=torch.randn(s.v_heads, device=dev) * 0.5,
+                    gnorm=1.0 + w(s.head_v, scale=0.1), out_proj=w(H, HVV),
+                )  # fmt: skip
+            self.layers.append(lw)
+        self.final_norm = w(H, scale=0.1)
+        self.lm_head = w(s.vocab, H)
+        inv = 1.0 / s.rope_theta ** (torch.arange(0, s.rotary, 2, device=dev) / s.rotary)
+        self.inv_freq = inv.float()
+
+    # -- states of one case ------------------------------------------------------------------
+
+    def set_case(self, B: int, ctx: int) -> None:
+        s, dev, dt = self.s, self.dev, self.dtype
+        self.B, self.ctx = B, ctx
+        self.free_case()
+        self.x = torch.randn(B, s.hidden, device=dev, dtype=dt)
+        self.slots = torch.arange(1, B + 1, device=dev, dtype=torch.int32)  # slot 0: null block
+        self.cu = torch.arange(B + 1, device=dev, dtype=torch.long)
+        self.positions = torch.full((B,), ctx - 1, device=dev, dtype=torch.long)
+        self.pos_idx = torch.tensor([ctx - 1], device=dev)
+        freqs = torch.arange(ctx, device=dev).float()[:, None] * self.inv_freq
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).to(dt)  # [ctx, rotary]
+        self.conv: dict[int, torch.Tensor] = {}
+        self.ssm: dict[int, torch.Tensor] = {}
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(s.layers):
+            if s.is_attn(i):
+                shape = (B, s.kv_heads, ctx, s.head_dim)
+                self.kv[i] = (
+                    torch.randn(shape, device=dev, dtype=dt),
+                    torch.randn(shape, device=dev, dtype=dt),
+                )
+            else:
+                # vLLM's conv cache is [slots, W-1, D]; the kernels get the transposed view
+                buf = torch.randn(B + 1, s.conv - 1, s.conv_dim, device=dev, dtype=dt)
+                self.conv[i] = buf.transpose(1, 2)
+                self.ssm[i] = torch.randn(
+                    B + 1, s.v_heads, s.head_v, s.head_k, device=dev, dtype=torch.float32
+                ).mul_(0.05)
+
+    def free_case(self) -> None:
+        self.conv, self.ssm, self.kv = {}, {}, {}
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half, rot = self.s.rotary // 2, self.s.rotary
+        x1, x2 = x[..., :half], x[..., half:rot]
+        c, sn = cos[:, None], sin[:, None]
+        return torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn, x[..., rot:]], dim=-1)
+
+    def attention(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        s, lw, B = self.s, self.layers[i], h.shape[0]
+        nh, nkv, D = s.q_heads, s.kv_heads, s.head_dim
+        qkv = F.linear(h, lw["qkv"])
+        q_gate, k, v = qkv.split([2 * nh * D, nkv * D, nkv * D], dim=-1)
+        q, gate = q_gate.view(B, nh, 2 * D).chunk(2, dim=-1)  # q and gate interleaved per head
+        q = kn.gemma_rms_norm(q.reshape(B, nh, D), lw["q_norm"], s.eps)
+        k = kn.gemma_rms_norm(k.reshape(B, nkv, D), lw["k_norm"], s.eps)
+        cos, sin = self.cos_sin.index_select(0, self.positions).chunk(2, dim=-1)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        kc, vc = self.kv[i]
+        kc.index_copy_(2, self.pos_idx, k.view(B, nkv, 1, D))
+        vc.index_copy_(2, self.pos_idx, v.reshape(B, nkv, 1, D))
+        # the q heads of one kv head as query rows: exact GQA for one new token, no mask
+        o = F.scaled_dot_product_attention(q.view(B, nkv, nh // nkv, D), kc, vc, scale=D**-0.5)
+        o = o.reshape(B, nh * D) * torch.sigmoid(gate.reshape(B, nh * D))
+        return F.linear(o, lw["o_proj"])
+
+    def gated_deltanet(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        s, lw, B = self.s, self.layers[i], h.shape[0]
+        HV, V = s.v_heads, s.head_v
+        mixed_qkv, z = F.linear(h, lw["qkvz"]).split([s.conv_dim, HV * V], dim=-1)
+        b, a = F.linear(h, lw["ba"]).split([HV, HV], dim=-1)
+        scale = s.head_k**-0.5
+        if self.fla is None:
+            core = torch.empty(B, HV, V, device=h.device, dtype=h.dtype)
+            kn.gdn_decode(
+                mixed_qkv, a, b, self.conv[i], lw["conv"], None, lw["A_log"], lw["dt_bias"],
+                self.ssm[i], core, self.slots, s.k_heads, scale,
+            )  # fmt: skip
+        else:
+            conv = self.conv[i]
+            x = gdn.causal_conv1d_decode(mixed_qkv, conv, lw["conv"], None, "silu", self.slots)
+            q, k, v = gdn.split_mixed_qkv(x, s.k_heads, s.head_k, V)
+            g, beta = gdn.gdn_gating(lw["A_log"], a, lw["dt_bias"], b)
+            state = self.ssm[i][1 : B + 1]  # the slots are 1..B
+            o, final = self.fla(
+                q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
+                initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                state_v_first=True, cu_seqlens=self.cu,
+            )  # fmt: skip
+            state.copy_(final)
+            core = o[0]
+        y = kn.rms_norm_gated(core, z.reshape(B, HV, V), lw["gnorm"], s.eps)
+        return F.linear(y.reshape(B, HV * V), lw["out_proj"])
+
+    def moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        lw = self.layers[i]
+        weights, ids = kn.moe_route(F.linear(h, lw["router"]), self.s.top_k, True)
+        shared = (lw["sh_gu"], lw["sh_down"], lw["sh_gate"])
+        return kn.moe_decode(h, weights, ids, lw["w13"], lw["w2"], shared=shared)
+
+    def layer(
+        self, i: int, x: torch.Tensor, res: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lw, eps = self.layers[i], self.s.eps
+        if res is None:  # first layer: plain norm, the residual is the input
+            h, res = kn.gemma_rms_norm(x, lw["in_norm"], eps), x
+        else:
+            h, res = kn.gemma_rms_norm(x, lw["in_norm"], eps, res)
+        h = self.attention(i, h) if self.s.is_attn(i) else self.gated_deltanet(i, h)
+        # (TP4: all-reduce here)
+        h, res = kn.gemma_rms_norm(h, lw["post_norm"], eps, res)
+        return self.moe(i, h), res  # (TP4: all-reduce of the MoE output)
+
+    def head(self, x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        h, _ = kn.gemma_rms_norm(x, self.final_norm, self.s.eps, res)
+        return F.linear(h, self.lm_head)  # (TP4: all-gather of the vocab shards)
+
+    def step(self) -> torch.Tensor:
+        x, res = self.x, None
+        for i in range(self.s.layers):
+            x, res = self.layer(i, x, res)
+        return self.head(x, res)
+
+    def parts(self) -> dict[str, Callable[[], Any]]:
+        """One layer of each type (not the first: fused residual add), one MoE block, the head."""
+        s, x = self.s, self.x
+        gdn_i = next(i for i in range(1, s.layers) if not s.is_attn(i))
+        attn_i = next(i for i in range(s.layers) if s.is_attn(i))
+        return {
+            "gdn_layer": lambda: self.layer(gdn_i, x, x),
+            "attn_layer": lambda: self.layer(attn_i, x, x),
+            "moe_block": lambda: self.moe(gdn_i, x),
+            "head": lambda: self.head(x, x),
+        }
+
+    # -- bytes ------------------------------------------------------------------------------
+
+    def bytes_per_step(self) -> dict[str, float]:
+        s, B = self.s, self.B
+        touched = s.experts * (1 - (1 - s.top_k / s.experts) ** B) / s.experts
+        weights = nbytes(self.final_norm) + nbytes(self.lm_head)
+        for lw in self.layers:
+            for name, t in lw.items():
+                weights += nbytes(t) * (touched if name in ("w13", "w2") else 1.0)
+        state = 2 * sum(nbytes(t) * B / (B + 1) for t in self.ssm.values())
+        state += 2 * sum(nbytes(t) * B / (B + 1) for t in self.conv.values())
+        kv = sum(nbytes(k) + nbytes(v) for k, v in self.kv.values())
+        return {"weights": weights, "gdn_state_rw": state, "kv_read": kv}
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def wall_ms(fn: Callable[[], Any], n: int, dev: torch.device, reps: int = 3) -> list[float]:
+    """Wall time of ``n`` calls / ``n`` (synchronised before and after), ``reps`` times."""
+    out = []
+    for _ in range(reps):
+        sync(dev)
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync(dev)
+        out.append((time.perf_counter() - t) * 1e3 / n)
+    return out
+
+
+def copy_gbps(dev: torch.device, smoke: bool) -> float:
+    """Device copy bandwidth, bytes read + written per second (as kernel_bench's floor)."""
+    src = torch.randn((1 << 18) if smoke else (1 << 28), device=dev)  # 1 GiB float32 on GPU
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ms = min(wall_ms(lambda: dst.copy_(src), 3 if smoke else 20, dev))
+    return 2 * nbytes(src) / (ms * 1e-3) / 1e9
+
+
+def count_launches(fn: Callable[[], Any], dev: torch.device) -> dict[str, int]:
+    """GPU: CUDA kernels and memcpy/memset of one call (torch.profiler). CPU (smoke): top-level
+    operators, views included, as a stand-in."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(dev)
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync(dev)
+    if not cuda:
+        ops = [e for e in prof.events() if e.cpu_parent is None and "::" in e.name]
+        return {"launches": len(ops), "copies": 0}
+    dev_ev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    copies = sum(1 for e in dev_ev if e.name.startswith(("Memcpy", "Memset")))
+    return {"launches": len(dev_ev), "copies": copies}
+
+
+def load_fla() -> tuple[Callable[..., Any] | None, str]:
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        return fused_recurrent_gated_delta_rule, ""
+    except Exception as exc:  # noqa: BLE001 - recorded as the skip reason
+        return None, f"fla did not import: {type(exc).__name__}: {exc}"[:300]
+
+
+def run_variant(
+    m: DecodeStep, variant: str, fla: Callable[..., Any] | None, args: argparse.Namespace,
+    bw: float,
+) -> dict[str, Any]:  # fmt: skip
+    dev, B = m.dev, m.B
+    kn.set_backend("cuda" if variant != "torch" and kn.extension_loaded() else "torch")
+    m.fla = fla if variant == "fla" else None
+    res: dict[str, Any] = {"backend": kn.backend_for(m.x) if dev.type == "cuda" else "torch"}
+    for _ in range(args.warmup):
+        logits = m.step()
+    sync(dev)
+    res["logits_finite"] = bool(torch.isfinite(logits).all())
+    reps = wall_ms(m.step, args.steps, dev)
+    res["eager_ms"] = statistics.median(reps)
+    res["eager_ms_reps"] = reps
+    res["tokens_per_s_eager"] = B * 1e3 / res["eager_ms"]
+    step = count_launches(m.step, dev)
+    layers = {k: count_launches(fn, dev)["launches"] for k, fn in m.parts().items()}
+    res["launches"] = {
+        "step": step["launches"],
+        "memcpy_memset": step["copies"],
+        "per_layer_avg": step["launches"] / m.s.layers,
+        **layers,
+    }
+    try:
+        res["graph_ms"] = Timer(dev, smoke=False).graph([m.step], 200.0)
+        res["tokens_per_s_graph"] = B * 1e3 / res["graph_ms"]
+        res["eager_over_graph"] = res["eager_ms"] / res["graph_ms"]
+    except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+        res["graph_ms"] = None
+        res["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        sync(dev)
+    b = m.bytes_per_step()
+    res["bytes"] = b
+    res["floor_ms"] = sum(b.values()) / (bw * 1e9) * 1e3
+    res["eager_over_floor"] = res["eager_ms"] / res["floor_ms"]
+    return res
+
+
+def skip_reason(variant: str, dev: torch.device, fla_error: str) -> str | None:
+    if variant == "torch":
+        return None
+    if dev.type != "cuda":
+        return "needs a CUDA device (CPU run)"
+    if variant == "cuda" and not kn.extension_loaded():
+        return f"vo_native_kernels not loaded: {kn._load_error}"
+    if variant == "fla" and fla_error:
+        return fla_error
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+
+def git(*a: str) -> str:
+    try:
+        r = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=20)
+        return r.stdout.strip() if r.returncode == 0 else ""
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def meta(args: argparse.Namespace, s: Shapes, dev: torch.device) -> dict[str, Any]:
+    m: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": args.commit or git("rev-parse", "HEAD") or "unknown",
+        "dirty_tree": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "device": (
+            torch.cuda.get_device_name(0) if dev.type == "cuda" else f"cpu {platform.machine()}"
+        ),
+        "dtype": args.dtype,
+        "smoke": args.smoke,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "env": {k: os.environ.get(k) for k in ("NATIVE_KERNELS_JIT", "CUDA_VISIBLE_DEVICES")},
+        "shapes": asdict(s),
+        "allreduce_left_out_per_step": 2 * s.layers + 1,
+        "notes": NOTES,
+    }
+    try:
+        import fla
+
+        m["fla"] = fla.__version__
+    except Exception:  # noqa: BLE001
+        m["fla"] = None
+    return m
+
+
+def _f(v: Any, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def render(results: dict[str, Any]) -> str:
+    m = results["meta"]
+    head = [
+        f"decode step, one TP4 rank ({m['shapes']['layers']} layers), {m['device']}, "
+        f"torch {m['torch']}, {m['dtype']}, commit {m['commit'][:12]}",
+        f"copy bandwidth {_f(results.get('copy_GBps'), '.0f')} GB/s; all-reduce left out: "
+        f"{m['allreduce_left_out_per_step']} per step",
+    ]
+    cols = ["B", "ctx", "variant", "eager ms", "graph ms", "e/g", "tok/s", "launch/step",
+            "/layer", "gdn L", "attn L", "moe", "head", "floor ms", "e/floor"]  # fmt: skip
+    rows = [cols]
+    for c in results["cases"]:
+        lead = [str(c["batch"]), str(c["context"]), c["variant"]]
+        if "eager_ms" not in c:
+            rows.append(lead + [f"({c.get('skipped') or c.get('error', '?')})"[:90]])
+            continue
+        n = c["launches"]
+        rows.append(lead + [
+            _f(c["eager_ms"], ".3f"), _f(c["graph_ms"], ".3f"), _f(c.get("eager_over_graph")),
+            _f(c["tokens_per_s_eager"], ".1f"), str(n["step"]), _f(n["per_layer_avg"], ".1f"),
+            str(n["gdn_layer"]), str(n["attn_layer"]), str(n["moe_block"]), str(n["head"]),
+            _f(c["floor_ms"], ".3f"), _f(c["eager_over_floor"], ".1f"),
+        ])  # fmt: skip
+    full = [r for r in rows if len(r) == len(cols)]
+    widths = [max(len(r[i]) for r in full) for i in range(len(cols))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=False)) for r in rows]
+    errs = [f"graph {c['batch']}/{c['context']}/{c['variant']}: {c['graph_error']}"
+            for c in results["cases"] if c.get("graph_error")]  # fmt: skip
+    return "\n".join(head + lines + errs + [f"note: {n}" for n in m["notes"]]) + "\n"
+
+
+def progress(items: list[Any]) -> Iterable[Any]:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc="decode_step_bench", dynamic_ncols=True)
+    except ImportError:
+        return items
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="result folder ($OUT)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--batches", default=None, help="comma list (default 1,8,32; smoke 1,2)")
+    ap.add_argument("--contexts", default=None, help="comma list (default 4096,32768; smoke 64)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="subset of torch,cuda,fla")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--steps", type=int, default=None, help="eager steps per rep (default 20)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=540.0, help="start no case after this")
+    ap.add_argument("--commit", default="", help="commit (default: git rev-parse HEAD)")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    s = SMOKE if args.smoke else Shapes()
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    if args.smoke:
+        torch.set_num_threads(1)
+        args.warmup = min(args.warmup, 1)
+    args.steps = args.steps or (2 if args.smoke else 20)
+    batches = [int(b) for b in (args.batches or ("1,2" if args.smoke else "1,8,32")).split(",")]
+    ctx_default = "64" if args.smoke else "4096,32768"
+    contexts = [int(c) for c in (args.contexts or ctx_default).split(",")]
+    variants = [v for v in args.variants.split(",") if v]
+    assert set(variants) <= set(VARIANTS), variants
+    out = Path(args.out) if args.out else None
+
+    torch.manual_seed(0)
+    results: dict[str, Any] = {"meta": meta(args, s, dev), "cases": []}
+    if dev.type == "cuda":
+        t = time.time()
+        results["meta"]["extension_loaded"] = kn.extension_loaded()
+        results["meta"]["extension_error"] = kn._load_error
+        results["meta"]["extension_load_s"] = round(time.time() - t, 1)
+    fla, fla_error = load_fla() if dev.type == "cuda" and "fla" in variants else (None, "")
+    results["copy_GBps"] = bw = copy_gbps(dev, args.smoke)
+    log(f"copy {bw:.0f} GB/s; building weights ...")
+    m = DecodeStep(s, getattr(torch, args.dtype), dev)
+
+    def save() -> None:
+        results["meta"]["total_s"] = round(time.time() - t0, 1)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "decode_step_bench.json").write_text(json.dumps(results, indent=1))
+            (out / "decode_step_bench.txt").write_text(render(results))
+
+    cases = [(ctx, B, v) for ctx in contexts for B in batches for v in variants]
+    current: tuple[int, int] | None = None
+    for ctx, B, v in progress(cases):
+        row: dict[str, Any] = {"batch": B, "context": ctx, "variant": v}
+        reason = skip_reason(v, dev, fla_error)
+        if reason is None and time.time() - t0 > args.budget_s:
+            reason = f"budget: {args.budget_s:.0f} s spent"
+        if reason is not None:
+            row["skipped"] = reason
+        else:
+            try:
+                if current != (ctx, B):
+                    m.set_case(B, ctx)
+                    current = (ctx, B)
+                row.update(run_variant(m, v, fla, args, bw))
+            except Exception as exc:  # noqa: BLE001 - keep going with the other cases
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                row["traceback"] = traceback.format_exc()[-2000:]
+                m.free_case()
+                current = None
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        results["cases"].append(row)
+        log(json.dumps({k: v for k, v in row.items() if k not in ("traceback", "bytes")})[:400])
+        save()
+    results["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    save()
+    print(render(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
