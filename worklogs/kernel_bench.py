@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from vllm_overrides.native import gdn, moe  # noqa: E402
+from vllm_overrides.native import gdn, kernels, moe  # noqa: E402
 from vllm_overrides.native import gdn_reference as gref  # noqa: E402
 from vllm_overrides.native import moe_reference as mref  # noqa: E402
 
@@ -552,6 +552,24 @@ class Bench:
 
         res["native_packed_api"] = self.timer.both([packed(x) for x in sets], 5.0)
 
+        if dev.type == "cuda" and kernels.extension_loaded():
+            # The fused kernel does the conv update, gates and norms too (one launch).
+            D = x0["mixed"].shape[1]
+            conv_sd = torch.randn(B + 1, 3, D, device=dev, dtype=torch.bfloat16)
+            conv_w = torch.randn(D, 4, device=dev, dtype=torch.bfloat16) * 0.5
+            kernels.set_backend("cuda")
+
+            def fused(x: dict[str, torch.Tensor]) -> Callable[[], Any]:
+                ab = (x["a"].to(torch.bfloat16), x["b"].to(torch.bfloat16))
+                return lambda: kernels.gdn_decode(
+                    x["mixed"], *ab, conv_sd.transpose(-1, -2), conv_w, None, x["A_log"],
+                    x["dt_bias"], x["state"], x["out"][:, 0], idx, s["H"], K**-0.5,
+                )  # fmt: skip
+
+            res["fused_cuda"] = self.timer.both([fused(x) for x in sets], 5.0)
+            log(f"  fused cuda: {res['fused_cuda']}")
+            kernels.set_backend("auto")
+
         if self.fla is not None:
             fr = self.fla[1]
 
@@ -661,6 +679,33 @@ class Bench:
                         d["x"], *moe.route(d["logits"], k, True), w13, w2, "gather"
                     )
                 )
+            if dev.type == "cuda" and kernels.extension_loaded():
+                kernels.set_backend("cuda")
+                res["fused_route"] = self.timer.both(
+                    [lambda d=d: kernels.moe_route(d["logits"], k, True) for d in sets], 3.0
+                )
+
+                def fused(d: dict[str, torch.Tensor]) -> Callable[[], Any]:
+                    def f() -> torch.Tensor:
+                        wt, ids = kernels.moe_route(d["logits"], k, True)
+                        return kernels.moe_decode(d["x"], wt, ids, w13, w2)
+
+                    return f
+
+                o = kernels.moe_decode(d0["x"], d0["w"], d0["ids"], w13, w2)
+                res["fused_cuda_err"] = rel(o, ref)
+                res["fused_cuda"] = self.timer.both([fused(d) for d in sets], 5.0)
+                res["fused_experts_only"] = self.timer.both(
+                    [
+                        lambda d=d: kernels.moe_decode(d["x"], d["w"], d["ids"], w13, w2)
+                        for d in sets
+                    ],
+                    5.0,
+                )
+                if T == 1:
+                    res["profile_fused"] = profile_table(fused(d0))
+                log(f"  fused cuda: {res['fused_cuda']} (experts only {res['fused_experts_only']})")
+                kernels.set_backend("auto")
             for method in ("gather", "grouped", "dense"):
 
                 def nat(d: dict[str, torch.Tensor], m: str = method) -> Callable[[], Any]:

@@ -1,0 +1,696 @@
+// Fused decode kernels for Qwen3.5 / Qwen3.6 MoE (vllm_overrides.native.kernels).
+//
+// Portability rules (the target is a CUDA-compatible, Triton-less card with 64-lane warps):
+// plain CUDA C++ only -- no Triton, no CUTLASS/CuTe, no inline PTX; no warp size is assumed
+// (reductions loop over `warpSize`, sub-group shuffles use widths <= 16 that divide any warp,
+// and the shuffle mask is `__activemask()`, whose type is the platform's own; every block size
+// is a multiple of 64); float32 accumulation, no float64 anywhere on the device.
+//
+// Each op's contract is its PyTorch path's (vllm_overrides/native/{gdn,moe,rmsnorm}.py); the
+// float64 references and tests/native/test_cuda_kernels.py pin both.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+// float, at::Half and at::BFloat16 only: float64 never reaches the device.
+#define VO_DISPATCH_FLOATS(TYPE, NAME, ...)                          \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                     \
+                     AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) \
+                         AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__) \
+                             AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
+
+constexpr int kBlock = 256;   // threads per block in every kernel (a multiple of 64)
+constexpr int kMaxWarps = 32; // kBlock / smallest warp we accept (8 for 32 lanes, 4 for 64)
+
+template <typename T>
+__device__ __forceinline__ float to_f(T v) {
+  return static_cast<float>(v);
+}
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Sum over a group of `width` consecutive lanes (width a power of two <= 16: divides every
+// warp size the target and NVIDIA have).
+__device__ __forceinline__ float group_sum(float v, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(__activemask(), v, o, width);
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = warpSize / 2; o > 0; o >>= 1) v += __shfl_xor_sync(__activemask(), v, o);
+  return v;
+}
+
+// Block-wide sum of N values per thread (result valid in every thread). `red` holds
+// N * kMaxWarps floats.
+template <int N>
+__device__ __forceinline__ void block_sum(float (&v)[N], float* red) {
+  const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
+  const int nwarps = (blockDim.x + warpSize - 1) / warpSize;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = warp_sum(v[i]);
+  __syncthreads();  // `red` may still be read by a previous call
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) red[i * kMaxWarps + warp] = v[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float s = 0.f;
+    for (int w = 0; w < nwarps; ++w) s += red[i * kMaxWarps + w];
+    v[i] = s;
+  }
+}
+
+// 16-byte vector of T (8 halves or 4 floats) converted to float.
+template <typename T>
+struct Vec {
+  static constexpr int N = 16 / sizeof(T);
+  float f[N];
+  __device__ __forceinline__ void load(const T* p) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) f[i] = to_f(e[i]);
+  }
+};
+
+// ------------------------------------------------------------------------------------------
+// RMSNorms
+// ------------------------------------------------------------------------------------------
+
+// Qwen (1 + w) RMSNorm over rows of H; with `residual`, s = x + residual is normalised and
+// written (rounded) to `res_out`. Statistics, weight and sum in float32 (rmsnorm.py).
+template <typename T>
+__global__ void gemma_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ residual,
+                                      const T* __restrict__ weight, T* __restrict__ out,
+                                      T* __restrict__ res_out, int H, float eps) {
+  extern __shared__ float row[];  // H floats
+  __shared__ float red[kMaxWarps];
+  const int64_t r = blockIdx.x;
+  const T* xr = x + r * H;
+  float ss[1] = {0.f};
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    float v = to_f(xr[i]);
+    if (residual != nullptr) {
+      v += to_f(residual[r * H + i]);
+      res_out[r * H + i] = static_cast<T>(v);
+    }
+    row[i] = v;
+    ss[0] += v * v;
+  }
+  block_sum<1>(ss, red);
+  const float inv = rsqrtf(ss[0] / H + eps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x)
+    out[r * H + i] = static_cast<T>(row[i] * inv * (to_f(weight[i]) + 1.0f));
+}
+
+// GDN output norm per value head: out = rms(x) * w * act(z); x, z are [T, HV, V] with any
+// strides on the first two dims (z is a slice of the projection output), out contiguous.
+template <typename T>
+__global__ void rms_norm_gated_kernel(const T* __restrict__ x, const T* __restrict__ z,
+                                      const T* __restrict__ weight, T* __restrict__ out, int HV,
+                                      int V, int64_t sx0, int64_t sx1, int64_t sz0, int64_t sz1,
+                                      float eps, bool sigmoid_gate) {
+  extern __shared__ float row[];  // V floats
+  __shared__ float red[kMaxWarps];
+  const int64_t n = blockIdx.x;
+  const int64_t t = n / HV, h = n % HV;
+  const T* xr = x + t * sx0 + h * sx1;
+  const T* zr = z + t * sz0 + h * sz1;
+  float ss[1] = {0.f};
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float v = to_f(xr[i]);
+    row[i] = v;
+    ss[0] += v * v;
+  }
+  block_sum<1>(ss, red);
+  const float inv = rsqrtf(ss[0] / V + eps);
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float g = to_f(zr[i]);
+    const float gate = sigmoid_gate ? sigmoid_f(g) : silu_f(g);
+    out[n * V + i] = static_cast<T>(row[i] * inv * to_f(weight[i]) * gate);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Gated DeltaNet decode: one block per (sequence, key head), covering the key head's q and k
+// channels and the R = HV / H value heads that read them, so every conv channel and every
+// state row belongs to exactly one block (no races, one launch per layer).
+// ------------------------------------------------------------------------------------------
+
+constexpr int kGdnGroup = 16;  // lanes per state row (K / 16 floats each)
+
+template <typename T>
+__global__ void gdn_decode_kernel(
+    const T* __restrict__ qkv, int64_t s_qkv,                   // [B, D]
+    const T* __restrict__ a, int64_t s_a, const T* __restrict__ b, int64_t s_b,  // [B, HV]
+    T* __restrict__ conv_state, int64_t cs_slot, int64_t cs_d, int64_t cs_w,    // [S, D, W-1]
+    const T* __restrict__ conv_w, const T* __restrict__ conv_b, int W,          // [D, W]
+    const float* __restrict__ A_log, const float* __restrict__ dt_bias,         // [HV]
+    float* __restrict__ ssm, int64_t ssm_slot,                                   // [S, HV, V, K]
+    T* __restrict__ out, int64_t s_out,                                          // [B, HV, V]
+    const int32_t* __restrict__ slots, int H, int HV, int K, int V, float scale, bool silu) {
+  extern __shared__ float sm[];  // q[K] k[K] v[R*V] gates[2R]
+  __shared__ float red[2 * kMaxWarps];
+  const int h = blockIdx.x, bi = blockIdx.y, tid = threadIdx.x;
+  const int R = HV / H;
+  float* q = sm;
+  float* k = q + K;
+  float* v = k + K;
+  float* gate = v + R * V;  // [0, R): exp(g); [R, 2R): beta
+  const int slot = slots[bi];
+  T* o = out + bi * s_out + (int64_t)h * R * V;
+  if (slot <= 0) {  // null block (0) or padding (-1): zeros, every state untouched
+    for (int i = tid; i < R * V; i += blockDim.x) o[i] = static_cast<T>(0.f);
+    return;
+  }
+  // Conv update of this block's channels: window [state..., x], SiLU, round to T as upstream's
+  // conv output is; the state shifts by one.
+  const int C = 2 * K + R * V;
+  const T* xr = qkv + bi * s_qkv;
+  T* cst = conv_state + (int64_t)slot * cs_slot;
+  for (int c = tid; c < C; c += blockDim.x) {
+    const int gc = c < K ? h * K + c : (c < 2 * K ? H * K + h * K + (c - K) : 2 * H * K + h * R * V + (c - 2 * K));
+    const T* wr = conv_w + (int64_t)gc * W;
+    T* st = cst + (int64_t)gc * cs_d;
+    const T xin = xr[gc];
+    float acc = conv_b != nullptr ? to_f(conv_b[gc]) : 0.f;
+    T prev = st[0];
+    for (int j = 0; j < W - 1; ++j) {
+      const T cur = prev;
+      acc += to_f(wr[j]) * to_f(cur);
+      if (j + 1 < W - 1) {
+        prev = st[(j + 1) * cs_w];
+        st[j * cs_w] = prev;
+      } else {
+        st[j * cs_w] = xin;
+      }
+    }
+    acc += to_f(wr[W - 1]) * to_f(xin);
+    sm[c] = to_f(static_cast<T>(silu ? silu_f(acc) : acc));
+  }
+  if (tid < R) {
+    const int hv = h * R + tid;
+    const float x = to_f(a[bi * s_a + hv]) + dt_bias[hv];
+    const float sp = x > 20.f ? x : log1pf(expf(x));  // softplus, threshold 20
+    gate[tid] = expf(-expf(A_log[hv]) * sp);
+    gate[R + tid] = sigmoid_f(to_f(b[bi * s_b + hv]));
+  }
+  __syncthreads();
+  // L2 norms of q and k (float32, eps 1e-6), scale folded into q.
+  float ss[2] = {0.f, 0.f};
+  for (int i = tid; i < K; i += blockDim.x) {
+    ss[0] += q[i] * q[i];
+    ss[1] += k[i] * k[i];
+  }
+  block_sum<2>(ss, red);
+  const float rq = rsqrtf(ss[0] + 1e-6f) * scale, rk = rsqrtf(ss[1] + 1e-6f);
+  for (int i = tid; i < K; i += blockDim.x) {
+    q[i] *= rq;
+    k[i] *= rk;
+  }
+  __syncthreads();
+  // Delta rule, one state row [K] per group of kGdnGroup lanes:
+  //   h <- exp(g) h;  h <- h + beta (v - h.k) k;  o = h.q
+  const int lane = tid % kGdnGroup, groups = blockDim.x / kGdnGroup;
+  for (int row = tid / kGdnGroup; row < R * V; row += groups) {
+    const int r = row / V, vi = row % V;
+    const float e = gate[r], beta = gate[R + r];
+    float* hr = ssm + (int64_t)slot * ssm_slot + ((int64_t)(h * R + r) * V + vi) * K;
+    // K <= 128: two float4 per lane (columns (j * kGdnGroup + lane) * 4), held in registers
+    // between the read of h.k and the write-back.
+    float hv[8];
+    float hk = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = (j * kGdnGroup + lane) * 4;
+      if (col < K) {
+        const float4 t = *reinterpret_cast<const float4*>(hr + col);
+        hv[4 * j] = t.x * e;
+        hv[4 * j + 1] = t.y * e;
+        hv[4 * j + 2] = t.z * e;
+        hv[4 * j + 3] = t.w * e;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) hk += hv[4 * j + u] * k[col + u];
+      }
+    }
+    hk = group_sum(hk, kGdnGroup);
+    const float delta = beta * (v[row] - hk);
+    float hq = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = (j * kGdnGroup + lane) * 4;
+      if (col < K) {
+        float4 t;
+        t.x = hv[4 * j] + delta * k[col];
+        t.y = hv[4 * j + 1] + delta * k[col + 1];
+        t.z = hv[4 * j + 2] + delta * k[col + 2];
+        t.w = hv[4 * j + 3] + delta * k[col + 3];
+        *reinterpret_cast<float4*>(hr + col) = t;
+        hq += t.x * q[col] + t.y * q[col + 1] + t.z * q[col + 2] + t.w * q[col + 3];
+      }
+    }
+    hq = group_sum(hq, kGdnGroup);
+    if (lane == 0) o[row] = static_cast<T>(hq);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// MoE routing: softmax + top-k (descending, ties to the lower expert index) + renormalise.
+// One block per token.
+// ------------------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void moe_route_kernel(const T* __restrict__ logits, int64_t s_row, int E, int top_k,
+                                 bool renormalize, float* __restrict__ w_out,
+                                 int64_t* __restrict__ id_out) {
+  extern __shared__ float lg[];  // E logits, then E "taken" flags
+  __shared__ float red_v[kMaxWarps];
+  __shared__ int red_i[kMaxWarps];
+  __shared__ float sel_v[64];
+  __shared__ int sel_i[64];
+  float* taken = lg + E;
+  const int64_t t = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid % warpSize, warp = tid / warpSize;
+  const int nwarps = blockDim.x / warpSize;
+  for (int e = tid; e < E; e += blockDim.x) {
+    lg[e] = to_f(logits[t * s_row + e]);
+    taken[e] = 0.f;
+  }
+  __syncthreads();
+  for (int j = 0; j < top_k; ++j) {
+    float bv = -INFINITY;
+    int bi = E;  // sentinel: loses to any real expert
+    for (int e = tid; e < E; e += blockDim.x) {
+      if (taken[e] == 0.f && (lg[e] > bv || (lg[e] == bv && e < bi) || bi == E)) {
+        bv = lg[e];
+        bi = e;
+      }
+    }
+    for (int o = warpSize / 2; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(__activemask(), bv, o);
+      const int oi = __shfl_xor_sync(__activemask(), bi, o);
+      if (oi != E && (bi == E || ov > bv || (ov == bv && oi < bi))) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (lane == 0) {
+      red_v[warp] = bv;
+      red_i[warp] = bi;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float v0 = red_v[0];
+      int i0 = red_i[0];
+      for (int w = 1; w < nwarps; ++w) {
+        const float ov = red_v[w];
+        const int oi = red_i[w];
+        if (oi != E && (i0 == E || ov > v0 || (ov == v0 && oi < i0))) {
+          v0 = ov;
+          i0 = oi;
+        }
+      }
+      sel_v[j] = v0;
+      sel_i[j] = i0;
+      taken[i0] = 1.f;
+    }
+    __syncthreads();
+  }
+  // Weights: softmax over the selected logits (renormalised), else the full softmax.
+  const float mx = sel_v[0];
+  float denom[1] = {0.f};
+  if (renormalize) {
+    if (tid == 0)
+      for (int j = 0; j < top_k; ++j) denom[0] += expf(sel_v[j] - mx);
+  } else {
+    __shared__ float red[kMaxWarps];
+    for (int e = tid; e < E; e += blockDim.x) denom[0] += expf(lg[e] - mx);
+    block_sum<1>(denom, red);
+  }
+  if (tid == 0) {
+    for (int j = 0; j < top_k; ++j) {
+      w_out[t * top_k + j] = expf(sel_v[j] - mx) / denom[0];
+      id_out[t * top_k + j] = sel_i[j];
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// MoE decode experts. Pairs p = (token t, slot j) for the routed experts, then one pair per
+// token for the shared expert when present. Kernel 1: act[p] = silu(W1 x) * (W3 x), float32,
+// reading the chosen expert's rows in place. Kernel 2: out[t] = sum_j w_j W2[e_j] act[p_j]
+// (+ sigmoid(x . g) Ws2 act_shared).
+// ------------------------------------------------------------------------------------------
+
+constexpr int kRowsUp = 4;  // gate rows (and as many up rows) per block in kernel 1
+
+template <typename T>
+__global__ void moe_up_kernel(const T* __restrict__ x, int H, const int64_t* __restrict__ ids,
+                              int T_, int top_k, const T* __restrict__ w13, int I,
+                              const T* __restrict__ sh_w13, int Is,
+                              const T* __restrict__ sh_gate, float* __restrict__ act,
+                              float* __restrict__ sh_sig, int act_stride) {
+  __shared__ float red[2 * kRowsUp * kMaxWarps];
+  __shared__ float gred[kMaxWarps];
+  const int p = blockIdx.y;
+  const bool shared = p >= T_ * top_k;
+  const int t = shared ? p - T_ * top_k : p / top_k;
+  const int rows = shared ? Is : I;
+  const int i0 = blockIdx.x * kRowsUp;
+  const bool need_gate = shared && sh_gate != nullptr && blockIdx.x == 0;
+  if (i0 >= rows && !need_gate) return;
+  const T* W = shared ? sh_w13 : w13 + ids[p] * (int64_t)(2 * I) * H;
+  const T* xr = x + (int64_t)t * H;
+  constexpr int N = Vec<T>::N;
+  float acc[2 * kRowsUp];
+#pragma unroll
+  for (int r = 0; r < 2 * kRowsUp; ++r) acc[r] = 0.f;
+  float g[1] = {0.f};
+  for (int c = threadIdx.x * N; c < H; c += blockDim.x * N) {
+    Vec<T> xv;
+    xv.load(xr + c);
+#pragma unroll
+    for (int r = 0; r < kRowsUp; ++r) {
+      const int i = i0 + r;
+      if (i < rows) {
+        Vec<T> wg, wu;
+        wg.load(W + (int64_t)i * H + c);
+        wu.load(W + (int64_t)(rows + i) * H + c);
+#pragma unroll
+        for (int u = 0; u < N; ++u) {
+          acc[r] += wg.f[u] * xv.f[u];
+          acc[kRowsUp + r] += wu.f[u] * xv.f[u];
+        }
+      }
+    }
+    if (need_gate) {
+      Vec<T> gv;
+      gv.load(sh_gate + c);
+#pragma unroll
+      for (int u = 0; u < N; ++u) g[0] += gv.f[u] * xv.f[u];
+    }
+  }
+  block_sum<2 * kRowsUp>(acc, red);
+  if (need_gate) {
+    block_sum<1>(g, gred);
+    if (threadIdx.x == 0) sh_sig[t] = sigmoid_f(g[0]);
+  }
+  if (threadIdx.x < kRowsUp) {
+    const int i = i0 + threadIdx.x;
+    // Round the projections to T as the PyTorch path's GEMM output is.
+    if (i < rows) {
+      float gg = 0.f, uu = 0.f;
+#pragma unroll
+      for (int r = 0; r < kRowsUp; ++r)
+        if (r == (int)threadIdx.x) {
+          gg = acc[r];
+          uu = acc[kRowsUp + r];
+        }
+      gg = to_f(static_cast<T>(gg));
+      uu = to_f(static_cast<T>(uu));
+      act[(int64_t)p * act_stride + i] = silu_f(gg) * uu;
+    }
+  }
+}
+
+constexpr int kRowsDown = 32;  // output rows of H per block in kernel 2
+
+template <typename T>
+__global__ void moe_down_kernel(const float* __restrict__ act, int act_stride,
+                                const float* __restrict__ topk_w,
+                                const int64_t* __restrict__ ids, int T_, int top_k,
+                                const T* __restrict__ w2, int I, const T* __restrict__ sh_w2,
+                                int Is, const float* __restrict__ sh_sig, int H,
+                                T* __restrict__ out) {
+  extern __shared__ float a_s[];  // (top_k + shared) * act_stride, weight folded in
+  const int t = blockIdx.y;
+  const int npairs = top_k + (sh_w2 != nullptr ? 1 : 0);
+  for (int idx = threadIdx.x; idx < npairs * act_stride; idx += blockDim.x) {
+    const int j = idx / act_stride, i = idx % act_stride;
+    float wgt, val;
+    if (j < top_k) {
+      wgt = topk_w[t * top_k + j];
+      val = i < I ? act[(int64_t)(t * top_k + j) * act_stride + i] : 0.f;
+    } else {
+      wgt = sh_sig != nullptr ? sh_sig[t] : 1.f;
+      val = i < Is ? act[(int64_t)(T_ * top_k + t) * act_stride + i] : 0.f;
+    }
+    a_s[idx] = wgt * val;
+  }
+  __syncthreads();
+  constexpr int N = Vec<T>::N;
+  const int lane = threadIdx.x % kGdnGroup, groups = blockDim.x / kGdnGroup;
+  for (int r = blockIdx.x * kRowsDown + threadIdx.x / kGdnGroup;
+       r < min(H, (int)(blockIdx.x + 1) * kRowsDown); r += groups) {
+    float acc = 0.f;
+    for (int j = 0; j < npairs; ++j) {
+      const bool sh = j >= top_k;
+      const int n = sh ? Is : I;
+      const T* wr = sh ? sh_w2 + (int64_t)r * Is : w2 + (ids[t * top_k + j] * (int64_t)H + r) * I;
+      const float* aj = a_s + j * act_stride;
+      for (int c = lane * N; c < n; c += kGdnGroup * N) {
+        Vec<T> wv;
+        wv.load(wr + c);
+#pragma unroll
+        for (int u = 0; u < N; ++u) acc += wv.f[u] * aj[c + u];
+      }
+    }
+    acc = group_sum(acc, kGdnGroup);
+    if (lane == 0) out[(int64_t)t * H + r] = static_cast<T>(acc);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host wrappers
+// ------------------------------------------------------------------------------------------
+
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_cuda() && weight.is_cuda(), "gemma_rms_norm: CUDA tensors expected");
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const int H = x.size(-1);
+  auto xc = x.contiguous();
+  auto w = weight.to(x.scalar_type()).contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t rows = xc.numel() / H;
+  if (rows == 0) return out;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  VO_DISPATCH_FLOATS(x.scalar_type(), "gemma_rms_norm", [&] {
+    gemma_rms_norm_kernel<scalar_t><<<rows, kBlock, H * sizeof(float), stream>>>(
+        xc.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+        nullptr, H, static_cast<float>(eps));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> gemma_fused_add_rms_norm(const at::Tensor& x,
+                                                            const at::Tensor& residual,
+                                                            const at::Tensor& weight,
+                                                            double eps) {
+  TORCH_CHECK(x.is_cuda() && residual.is_cuda(), "gemma_fused_add_rms_norm: CUDA tensors");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual shapes differ");
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const int H = x.size(-1);
+  auto xc = x.contiguous();
+  auto rc = residual.to(x.scalar_type()).contiguous();
+  auto w = weight.to(x.scalar_type()).contiguous();
+  auto out = at::empty_like(xc);
+  auto res = at::empty_like(xc);
+  const int64_t rows = xc.numel() / H;
+  if (rows == 0) return {out, res};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  VO_DISPATCH_FLOATS(x.scalar_type(), "gemma_fused_add_rms_norm", [&] {
+    gemma_rms_norm_kernel<scalar_t><<<rows, kBlock, H * sizeof(float), stream>>>(
+        xc.data_ptr<scalar_t>(), rc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+        out.data_ptr<scalar_t>(), res.data_ptr<scalar_t>(), H, static_cast<float>(eps));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, res};
+}
+
+at::Tensor rms_norm_gated(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight,
+                          double eps, bool sigmoid_gate) {
+  TORCH_CHECK(x.is_cuda() && z.is_cuda(), "rms_norm_gated: CUDA tensors expected");
+  TORCH_CHECK(x.sizes() == z.sizes() && x.scalar_type() == z.scalar_type(),
+              "rms_norm_gated: x and z differ");
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const int V = x.size(-1);
+  // View both as [T, HV, V] with unit stride on V.
+  auto as3 = [&](const at::Tensor& t) {
+    at::Tensor u = t.stride(-1) == 1 ? t : t.contiguous();
+    if (u.dim() == 1) return u.view({1, 1, V});
+    if (u.dim() == 2) return u.unsqueeze(0);
+    if (u.dim() == 3) return u;
+    return u.reshape({-1, u.size(-2), V});
+  };
+  auto x3 = as3(x), z3 = as3(z);
+  auto w = weight.to(x.scalar_type()).contiguous();
+  auto out = at::empty(x.sizes(), x.options());
+  const int64_t n = x3.size(0) * x3.size(1);
+  if (n == 0) return out;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int threads = V <= 128 ? 128 : kBlock;
+  VO_DISPATCH_FLOATS(x.scalar_type(), "rms_norm_gated", [&] {
+    rms_norm_gated_kernel<scalar_t><<<n, threads, V * sizeof(float), stream>>>(
+        x3.data_ptr<scalar_t>(), z3.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+        out.data_ptr<scalar_t>(), x3.size(1), V, x3.stride(0), x3.stride(1), z3.stride(0),
+        z3.stride(1), static_cast<float>(eps), sigmoid_gate);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
+                at::Tensor& conv_state, const at::Tensor& conv_weight,
+                const c10::optional<at::Tensor>& conv_bias, const at::Tensor& A_log,
+                const at::Tensor& dt_bias, at::Tensor& ssm_state, at::Tensor& out,
+                const at::Tensor& slots, int64_t num_k_heads, double scale, bool silu) {
+  TORCH_CHECK(qkv.is_cuda() && ssm_state.is_cuda(), "gdn_decode: CUDA tensors expected");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "gdn_decode: qkv [B, D], unit stride");
+  TORCH_CHECK(ssm_state.scalar_type() == at::kFloat && ssm_state.is_contiguous(),
+              "gdn_decode: float32 contiguous ssm_state");
+  TORCH_CHECK(conv_state.scalar_type() == qkv.scalar_type() &&
+                  out.scalar_type() == qkv.scalar_type(),
+              "gdn_decode: conv_state/out dtype must match qkv");
+  TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2, "conv_weight [D, W]");
+  TORCH_CHECK(A_log.scalar_type() == at::kFloat && dt_bias.scalar_type() == at::kFloat,
+              "gdn_decode: float32 A_log / dt_bias");
+  TORCH_CHECK(slots.scalar_type() == at::kInt, "gdn_decode: int32 slots");
+  TORCH_CHECK(a.stride(-1) == 1 && b.stride(-1) == 1, "gdn_decode: a, b unit stride");
+  const int B = qkv.size(0);
+  if (B == 0) return;
+  const int HV = ssm_state.size(1), V = ssm_state.size(2), K = ssm_state.size(3);
+  const int H = static_cast<int>(num_k_heads);
+  const int W = conv_weight.size(1);
+  TORCH_CHECK(HV % H == 0 && K % 4 == 0 && K <= 8 * kGdnGroup && W >= 2,
+              "gdn_decode: needs HV % H == 0, K % 4 == 0, K <= 128, conv width >= 2");
+  TORCH_CHECK(qkv.size(1) == 2 * H * K + HV * V, "gdn_decode: qkv width != 2HK + HV*V");
+  TORCH_CHECK(out.size(0) >= B && out.stride(-1) == 1 && out.stride(-2) == V,
+              "gdn_decode: out [B, HV, V] with contiguous heads");
+  const c10::cuda::OptionalCUDAGuard guard(qkv.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int R = HV / H;
+  const size_t smem = (2 * K + R * V + 2 * R) * sizeof(float);
+  dim3 grid(H, B);
+  VO_DISPATCH_FLOATS(qkv.scalar_type(), "gdn_decode", [&] {
+    const scalar_t* bias = conv_bias.has_value() ? conv_bias->data_ptr<scalar_t>() : nullptr;
+    if (conv_bias.has_value())
+      TORCH_CHECK(conv_bias->scalar_type() == qkv.scalar_type() && conv_bias->is_contiguous(),
+                  "gdn_decode: conv_bias dtype");
+    TORCH_CHECK(conv_weight.scalar_type() == qkv.scalar_type(), "gdn_decode: conv_weight dtype");
+    gdn_decode_kernel<scalar_t><<<grid, kBlock, smem, stream>>>(
+        qkv.data_ptr<scalar_t>(), qkv.stride(0), a.data_ptr<scalar_t>(), a.stride(0),
+        b.data_ptr<scalar_t>(), b.stride(0), conv_state.data_ptr<scalar_t>(),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        conv_weight.data_ptr<scalar_t>(), bias, W, A_log.data_ptr<float>(),
+        dt_bias.data_ptr<float>(), ssm_state.data_ptr<float>(), ssm_state.stride(0),
+        out.data_ptr<scalar_t>(), out.stride(0), slots.data_ptr<int32_t>(), H, HV, K, V,
+        static_cast<float>(scale), silu);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
+                                             bool renormalize) {
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.stride(1) == 1,
+              "moe_route: CUDA [T, E] logits with unit stride");
+  const int T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= E && top_k <= 64 && E <= 1024, "moe_route: sizes");
+  const c10::cuda::OptionalCUDAGuard guard(logits.device());
+  auto w = at::empty({T, top_k}, logits.options().dtype(at::kFloat));
+  auto ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
+  if (T == 0) return {w, ids};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  VO_DISPATCH_FLOATS(logits.scalar_type(), "moe_route", [&] {
+    moe_route_kernel<scalar_t><<<T, kBlock, 2 * E * sizeof(float), stream>>>(
+        logits.data_ptr<scalar_t>(), logits.stride(0), E, top_k, renormalize,
+        w.data_ptr<float>(), ids.data_ptr<int64_t>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {w, ids};
+}
+
+at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& topk_w, const at::Tensor& topk_ids,
+                      const at::Tensor& w13, const at::Tensor& w2,
+                      const c10::optional<at::Tensor>& sh_w13,
+                      const c10::optional<at::Tensor>& sh_w2,
+                      const c10::optional<at::Tensor>& sh_gate) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "moe_decode: x [T, H]");
+  TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_decode: contiguous weights");
+  TORCH_CHECK(topk_w.scalar_type() == at::kFloat, "moe_decode: float32 weights");
+  const int T = x.size(0), H = x.size(1), k = topk_ids.size(1);
+  const int I = w2.size(2);
+  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == H && w2.size(1) == H, "moe_decode: shapes");
+  const bool has_sh = sh_w13.has_value() && sh_w2.has_value();
+  const int Is = has_sh ? sh_w2->size(1) : 0;
+  if (has_sh)
+    TORCH_CHECK(sh_w13->size(0) == 2 * Is && sh_w13->size(1) == H && sh_w2->size(0) == H,
+                "moe_decode: shared expert shapes");
+  const int vec = 16 / x.element_size();
+  TORCH_CHECK(H % vec == 0 && I % vec == 0 && Is % vec == 0, "moe_decode: H, I % 16 bytes");
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  auto ids = topk_ids.to(at::kLong).contiguous();
+  auto tw = topk_w.contiguous();
+  auto out = at::empty_like(x);
+  if (T == 0) return out;
+  const int act_stride = std::max(I, Is);
+  const int P = T * k + (has_sh ? T : 0);
+  auto act = at::empty({P, act_stride}, x.options().dtype(at::kFloat));
+  auto sig = at::empty({has_sh ? T : 1}, x.options().dtype(at::kFloat));
+  const bool has_gate = has_sh && sh_gate.has_value();
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  VO_DISPATCH_FLOATS(x.scalar_type(), "moe_decode", [&] {
+    using T_ = scalar_t;
+    dim3 g1((act_stride + kRowsUp - 1) / kRowsUp, P);
+    moe_up_kernel<T_><<<g1, kBlock, 0, stream>>>(
+        x.data_ptr<T_>(), H, ids.data_ptr<int64_t>(), T, k, w13.data_ptr<T_>(), I,
+        has_sh ? sh_w13->data_ptr<T_>() : nullptr, Is,
+        has_gate ? sh_gate->data_ptr<T_>() : nullptr, act.data_ptr<float>(),
+        sig.data_ptr<float>(), act_stride);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    dim3 g2((H + kRowsDown - 1) / kRowsDown, T);
+    const size_t smem = (k + (has_sh ? 1 : 0)) * act_stride * sizeof(float);
+    moe_down_kernel<T_><<<g2, kBlock, smem, stream>>>(
+        act.data_ptr<float>(), act_stride, tw.data_ptr<float>(), ids.data_ptr<int64_t>(), T, k,
+        w2.data_ptr<T_>(), I, has_sh ? sh_w2->data_ptr<T_>() : nullptr, Is,
+        has_gate ? sig.data_ptr<float>() : nullptr, H, out.data_ptr<T_>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vo_kernels, m) {
+  m.def("gemma_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("gemma_fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps)"
+        " -> (Tensor, Tensor)");
+  m.def("rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps, bool sigmoid) -> Tensor");
+  m.def("gdn_decode(Tensor qkv, Tensor a, Tensor b, Tensor(a!) conv_state, Tensor conv_weight,"
+        " Tensor? conv_bias, Tensor A_log, Tensor dt_bias, Tensor(b!) ssm_state,"
+        " Tensor(c!) out, Tensor slots, int num_k_heads, float scale, bool silu) -> ()");
+  m.def("moe_route(Tensor logits, int top_k, bool renormalize) -> (Tensor, Tensor)");
+  m.def("moe_decode(Tensor x, Tensor topk_w, Tensor topk_ids, Tensor w13, Tensor w2,"
+        " Tensor? sh_w13, Tensor? sh_w2, Tensor? sh_gate) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vo_kernels, CUDA, m) {
+  m.impl("gemma_rms_norm", &gemma_rms_norm);
+  m.impl("gemma_fused_add_rms_norm", &gemma_fused_add_rms_norm);
+  m.impl("rms_norm_gated", &rms_norm_gated);
+  m.impl("gdn_decode", &gdn_decode);
+  m.impl("moe_route", &moe_route);
+  m.impl("moe_decode", &moe_decode);
+}
