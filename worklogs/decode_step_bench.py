@@ -191,6 +191,10 @@ class DecodeStep:
                     B + 1, s.v_heads, s.head_v, s.head_k, device=dev, dtype=torch.float32
                 ).mul_(0.05)
 
+    def states(self) -> list[torch.Tensor]:
+        """The GDN states a step updates (conv: the transposed views)."""
+        return [*self.ssm.values(), *self.conv.values()]
+
     def free_case(self) -> None:
         self.conv, self.ssm, self.kv = {}, {}, {}
 
@@ -371,13 +375,23 @@ def run_variant(
     bw: float,
 ) -> dict[str, Any]:  # fmt: skip
     dev, B = m.dev, m.B
+    # One step from the same GDN states under the PyTorch ops and under this variant (the KV
+    # cache's only write is the new token's row, which a step writes before it reads it).
+    saved = [t.clone() for t in m.states()]
+    kn.set_backend("torch")
+    m.fla = None
+    ref = m.step().float()
+    for t, c in zip(m.states(), saved, strict=True):
+        t.copy_(c)
+    del saved
     kn.set_backend("cuda" if variant != "torch" and kn.extension_loaded() else "torch")
     m.fla = fla if variant == "fla" else None
     res: dict[str, Any] = {"backend": kn.backend_for(m.x) if dev.type == "cuda" else "torch"}
-    for _ in range(args.warmup):
-        logits = m.step()
-    sync(dev)
+    logits = m.step().float()
     res["logits_finite"] = bool(torch.isfinite(logits).all())
+    res["logits_rel_err_vs_torch"] = float((logits - ref).norm() / ref.norm())
+    for _ in range(args.warmup):
+        m.step()
     reps = wall_ms(m.step, args.steps, dev)
     res["eager_ms"] = statistics.median(reps)
     res["eager_ms_reps"] = reps
@@ -472,7 +486,8 @@ def render(results: dict[str, Any]) -> str:
         f"{m['allreduce_left_out_per_step']} per step",
     ]
     cols = ["B", "ctx", "variant", "eager ms", "graph ms", "e/g", "tok/s", "launch/step",
-            "/layer", "gdn L", "attn L", "moe", "head", "floor ms", "e/floor"]  # fmt: skip
+            "/layer", "gdn L", "attn L", "moe", "head", "floor ms", "e/floor",
+            "err vs torch"]  # fmt: skip
     rows = [cols]
     for c in results["cases"]:
         lead = [str(c["batch"]), str(c["context"]), c["variant"]]
@@ -485,6 +500,7 @@ def render(results: dict[str, Any]) -> str:
             _f(c["tokens_per_s_eager"], ".1f"), str(n["step"]), _f(n["per_layer_avg"], ".1f"),
             str(n["gdn_layer"]), str(n["attn_layer"]), str(n["moe_block"]), str(n["head"]),
             _f(c["floor_ms"], ".3f"), _f(c["eager_over_floor"], ".1f"),
+            _f(c["logits_rel_err_vs_torch"], ".1e"),
         ])  # fmt: skip
     full = [r for r in rows if len(r) == len(cols)]
     widths = [max(len(r[i]) for r in full) for i in range(len(cols))]
