@@ -448,7 +448,11 @@ def meta(args: argparse.Namespace, s: Shapes, dev: torch.device) -> dict[str, An
     m: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": args.commit or git("rev-parse", "HEAD") or "unknown",
-        "dirty_tree": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "dirty_tree": (
+            bool(git("status", "--porcelain", "--untracked-files=no"))
+            if git("rev-parse", "HEAD")
+            else None  # no git checkout here (e.g. a copied tree): pass --commit
+        ),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
@@ -459,7 +463,10 @@ def meta(args: argparse.Namespace, s: Shapes, dev: torch.device) -> dict[str, An
         "dtype": args.dtype,
         "smoke": args.smoke,
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "env": {k: os.environ.get(k) for k in ("NATIVE_KERNELS_JIT", "CUDA_VISIBLE_DEVICES")},
+        "env": {
+            k: os.environ.get(k)
+            for k in ("NATIVE_KERNELS_JIT", "FLA_FLASH_QLA", "CUDA_VISIBLE_DEVICES")
+        },
         "shapes": asdict(s),
         "allreduce_left_out_per_step": 2 * s.layers + 1,
         "notes": NOTES,
