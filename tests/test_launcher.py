@@ -54,7 +54,7 @@ def test_vllm_parser_accepts_every_flag(config) -> None:
     assert args.chat_template == "/workspace/chat_template_multi_system.jinja"
     assert args.enable_prefix_caching is True
     assert args.enable_chunked_prefill is True
-    assert args.max_num_batched_tokens == 16384
+    assert args.max_num_batched_tokens == 8192  # make preflight GO (issue 13)
     assert args.tool_call_parser == "qwen3_coder"
     assert args.enable_auto_tool_choice is True
     assert args.reasoning_parser == "qwen3"

@@ -296,6 +296,7 @@ def kv_layout(
     prefix_caching: bool = True,
     kernel_block_alignment: int = KERNEL_BLOCK_ALIGNMENT,
     block_size: int | None = None,
+    checkpoint_blocks: int = 0,
 ) -> KVLayout:
     # vLLM replicates KV heads when there are fewer than ranks: max(1, 2 // 4) = 1 head per rank
     # (ModelConfig.get_num_kv_heads), so at TP4 every rank holds one full copy of one kv head.
@@ -337,8 +338,9 @@ def kv_layout(
         group_size=group,
         attention_groups=cdiv(facts.attention_layers, group),
         mamba_groups=cdiv(facts.gdn_layers, group),
-        # MambaSpec.max_memory_usage_bytes: 2 blocks in 'align' mode (prefix caching on), else 1.
-        mamba_blocks_per_group=2 if prefix_caching else 1,
+        # MambaSpec.max_memory_usage_bytes: 2 blocks in 'align' mode (prefix caching on), plus
+        # num_prefill_checkpoint_blocks (patch 0006 reserves one under GDN_NATIVE=1), else 1.
+        mamba_blocks_per_group=2 + checkpoint_blocks if prefix_caching else 1,
     )
 
 
@@ -494,9 +496,10 @@ def memory_plan(
     dtype_bytes: int = 2,
     weights_gib: float | None = None,
     calibration: Calibration | None = None,
+    checkpoint_blocks: int = 0,
 ) -> MemoryPlan:
     cal = calibration or calibrate(facts, kv_dtype_bytes=dtype_bytes)
-    layout = kv_layout(facts, tp, dtype_bytes, prefix_caching)
+    layout = kv_layout(facts, tp, dtype_bytes, prefix_caching, checkpoint_blocks=checkpoint_blocks)
     estimate = weights_estimate_gib(facts, tp, dtype_bytes)
     weights = weights_gib if weights_gib is not None else estimate * cal.weights_scale
     activation = cal.fixed_overhead_gib + cal.activation_bytes_per_batched_token * (
@@ -803,6 +806,18 @@ def check_memory(plan: MemoryPlan) -> Check:
     )
 
 
+def gdn_checkpoint_blocks(env: dict[str, str], prefix_caching: bool) -> int:
+    """GDN prefill-checkpoint blocks per request and GDN group the launch reserves.
+
+    Patch 0006 gives the GDN layers' KV spec one prefill-checkpoint block (vLLM's
+    ``MambaSpec.num_prefill_checkpoint_blocks``) when the native GDN path runs
+    (``GDN_NATIVE=1``) with prefix caching, unless ``GDN_PREFILL_CHECKPOINT=0``; vLLM then
+    requires one more page per GDN group before it starts.
+    """
+    on = env.get("GDN_NATIVE") == "1" and env.get("GDN_PREFILL_CHECKPOINT", "1") != "0"
+    return int(on and prefix_caching)
+
+
 def run_preflight(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]]:
     checks: list[Check] = []
     schema, config = check_yaml_schema(args.config)
@@ -837,6 +852,9 @@ def run_preflight(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]
         )
     checks.append(check_context(config, args.required_len, facts))
     checks.append(check_utilization(util))
+    prefix_caching = "--enable-prefix-caching" in config.command
+    ckpt = gdn_checkpoint_blocks(config.env, prefix_caching)
+    extra["gdn_prefill_checkpoint_blocks"] = ckpt
     plan = memory_plan(
         facts,
         tp=tp,
@@ -844,10 +862,11 @@ def run_preflight(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]
         gpu_memory_utilization=util,
         max_num_batched_tokens=mnbt,
         max_model_len=max_len,
-        prefix_caching="--enable-prefix-caching" in config.command,
+        prefix_caching=prefix_caching,
         dtype_bytes=DTYPE_BYTES.get(dtype, 2),
         weights_gib=args.weights_gib,
         calibration=cal,
+        checkpoint_blocks=ckpt,
     )
     checks.append(check_memory(plan))
     extra["memory"] = asdict(plan)

@@ -213,6 +213,40 @@ def test_memory_check_fails_when_capacity_is_short(facts: pf.ModelFacts) -> None
     assert check.status == pf.NO_GO and "<" in check.detail
 
 
+def test_the_shipped_yaml_is_go_with_margin() -> None:
+    """`make preflight` on computility-run.yaml must stay GO: users' servers must start.
+
+    Not merely above the line: the KV capacity must clear max_model_len by more than the
+    calibration's own error (4 blocks, else WARN) and by the GDN checkpoint blocks patch 0006
+    may reserve, whatever the env says about GDN_NATIVE.
+    """
+    checks, extra = pf.run_preflight(pf.parse_args(["--patches", "skip"]))
+    status = {c.name: c.status for c in checks}
+    assert all(s != pf.NO_GO for s in status.values()), checks
+    assert status["KV capacity"] == pf.GO and status["context length"] == pf.GO, checks
+    mem = extra["memory"]
+    assert mem["max_model_len"] >= pf.REQUIRED_CONTEXT
+    assert mem["gpu_memory_utilization"] < pf.UTIL_OBSERVED_OOM
+    # Worst case: one checkpoint block more per GDN group than the env asks for.
+    layout = pf.kv_layout(pf.ModelFacts.load(pf.DEFAULT_MODEL_CONFIG), mem["tp"])
+    extra_blocks = (1 - extra["gdn_prefill_checkpoint_blocks"]) * layout.mamba_groups
+    spare = mem["margin_tokens"] - extra_blocks * layout.block_size
+    assert spare >= pf.UNCERTAINTY_BLOCKS * layout.block_size, mem
+
+
+def test_checkpoint_blocks_cost_capacity(facts: pf.ModelFacts) -> None:
+    """One prefill-checkpoint block per GDN group is 3 blocks (1,584 tokens at TP4) less."""
+    kw = dict(tp=4, mem_per_card_gib=32, gpu_memory_utilization=0.9,
+              max_num_batched_tokens=8_192, max_model_len=262_144)  # fmt: skip
+    plain = pf.memory_plan(facts, **kw)
+    ckpt = pf.memory_plan(facts, checkpoint_blocks=1, **kw)
+    assert plain.kv_capacity_tokens - ckpt.kv_capacity_tokens == 3 * plain.block_size
+    assert pf.gdn_checkpoint_blocks({"GDN_NATIVE": "1"}, True) == 1
+    assert pf.gdn_checkpoint_blocks({"GDN_NATIVE": "1", "GDN_PREFILL_CHECKPOINT": "0"}, True) == 0
+    assert pf.gdn_checkpoint_blocks({"GDN_NATIVE": "1"}, False) == 0
+    assert pf.gdn_checkpoint_blocks({}, True) == 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Static checks
 # ----------------------------------------------------------------------------------------------
