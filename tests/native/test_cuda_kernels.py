@@ -1,9 +1,12 @@
 """The fused CUDA kernels (``vllm_overrides.native.kernels``) against the float64 references and
 against the PyTorch path.
 
-GPU-only: in CPU CI these tests skip with that reason (the selection tests at the bottom run
-everywhere). On the device they run through ``scripts/gpu_kernel_tests.sh``, which JIT-builds
-the extension (``NATIVE_KERNELS_JIT=1``); there a missing extension is a failure, not a skip.
+Every test runs twice over: on a GPU (``cuda``: the real build; skipped without one, and run by
+``scripts/gpu_kernel_tests.sh``, which JIT-builds the extension -- there a missing extension is
+a failure, not a skip), and on the CPU through ``csrc/cpu_emulation.h`` (``emu64`` / ``emu32``:
+the very same kernel source and host wrappers on host threads, with the target's 64-lane warps
+and NVIDIA's 32), at smaller sizes, so CPU CI checks the kernels' logic, indexing, slot
+handling and warp-width independence. Speed and graph capture need the GPU.
 
 Tolerances (relative L2 error against float64): fp32 activations 1e-5, fp16 3e-3, bf16 1.5e-2 --
 the PyTorch path's own errors on the same inputs are of that order, and the tests also require
@@ -34,11 +37,26 @@ DTYPES = [torch.float16, torch.bfloat16]
 
 
 @pytest.fixture
-def cuda_backend() -> Iterator[None]:
-    kernels.set_backend("cuda")
-    assert kernels.extension_loaded(), f"vo_native_kernels did not load: {kernels._load_error}"
-    yield
+def kdev(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The device the fused kernels run on: ``cuda``, or ``cpu`` under emulation."""
+    name = request.param
+    if name == "cuda":
+        kernels.set_backend("cuda")
+        assert kernels.extension_loaded(), f"vo_native_kernels did not load: {kernels._load_error}"
+    else:
+        kernels.enable_cpu_emulation(warp_size=int(name.removeprefix("emu")))
+        kernels.set_backend("cuda")
+    yield "cuda" if name == "cuda" else "cpu"
+    kernels.disable_cpu_emulation()
     kernels.set_backend("auto")
+
+
+def cases(gpu_sizes: list, emu_sizes: list) -> list:
+    """(device, size) pairs: every GPU size, the emulation's sizes with 64-lane warps, and the
+    first emulation size again with 32-lane warps."""
+    out = [pytest.param("cuda", s, marks=gpu, id=f"cuda-{s}") for s in gpu_sizes]
+    out += [pytest.param("emu64", s, id=f"emu64-{s}") for s in emu_sizes]
+    return out + [pytest.param("emu32", emu_sizes[0], id=f"emu32-{emu_sizes[0]}")]
 
 
 def _both(fn, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202 - small test helper
@@ -62,13 +80,16 @@ def _check(fused: torch.Tensor, torch_path: torch.Tensor, ref: torch.Tensor, dty
 # ------------------------------------------------------------------------------------------
 
 
-@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
-@pytest.mark.parametrize("shape", [(1, 2048), (7, 2048), (3, 5, 128)])
-def test_gemma_rms_norm(cuda_backend: None, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    x = torch.randn(shape, device="cuda").to(dtype)
-    res = torch.randn(shape, device="cuda").to(dtype)
-    w = (torch.randn(shape[-1], device="cuda") * 0.1).to(dtype)
+@pytest.mark.parametrize(
+    "kdev,shape",
+    cases([(1, 2048), (7, 2048), (3, 5, 128)], [(2, 2048), (3, 5, 128)]),
+    indirect=["kdev"],
+)
+def test_gemma_rms_norm(kdev: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, device=kdev).to(dtype)
+    res = torch.randn(shape, device=kdev).to(dtype)
+    w = (torch.randn(shape[-1], device=kdev) * 0.1).to(dtype)
     r = _both(kernels.gemma_rms_norm, x, w, 1e-6)
     ref = rref.gemma_rms_norm_reference(x.cpu(), w.cpu(), 1e-6)
     _check(r["cuda"][0].cpu(), r["torch"][0].cpu(), ref, dtype)
@@ -80,18 +101,16 @@ def test_gemma_rms_norm(cuda_backend: None, dtype: torch.dtype, shape: tuple[int
     assert rel_err(res_c.cpu(), ref_sum) <= TOL[dtype]
 
 
-@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
-@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
-def test_rms_norm_gated_strided_gate(
-    cuda_backend: None, dtype: torch.dtype, activation: str
-) -> None:
+@pytest.mark.parametrize("kdev,activation", cases(["silu", "sigmoid"], ["silu", "sigmoid"]),
+                         indirect=["kdev"])  # fmt: skip
+def test_rms_norm_gated_strided_gate(kdev: str, dtype: torch.dtype, activation: str) -> None:
     T, HV, V = 5, 8, 128
-    x = torch.randn(T, HV, V, device="cuda").to(dtype)
+    x = torch.randn(T, HV, V, device=kdev).to(dtype)
     # z as vLLM slices it out of the projection: rows wider than HV * V.
-    proj = torch.randn(T, 3 * HV * V, device="cuda").to(dtype)
+    proj = torch.randn(T, 3 * HV * V, device=kdev).to(dtype)
     z = proj[:, HV * V : 2 * HV * V].view(T, HV, V)
-    w = (1 + 0.1 * torch.randn(V, device="cuda")).to(dtype)
+    w = (1 + 0.1 * torch.randn(V, device=kdev)).to(dtype)
     r = _both(kernels.rms_norm_gated, x, z, w, 1e-6, activation)
     if activation == "silu":
         ref = gref.rms_norm_gated_reference(x.cpu(), z.cpu(), w.cpu(), 1e-6)
@@ -107,10 +126,11 @@ def test_rms_norm_gated_strided_gate(
 # ------------------------------------------------------------------------------------------
 
 
-def _gdn_inputs(B: int, dtype: torch.dtype, slots: list[int], n_slots: int) -> dict:
+def _gdn_inputs(
+    B: int, dtype: torch.dtype, slots: list[int], n_slots: int, dev: str = "cuda"
+) -> dict:
     H, HV, K, V, W = 4, 8, 128, 128, 4
     D = 2 * H * K + HV * V
-    dev = "cuda"
     return {
         "H": H, "HV": HV, "K": K, "V": V, "D": D,
         # vLLM's "SD" conv cache [slots, W-1, D], passed transposed as the kernels' view.
@@ -125,7 +145,8 @@ def _gdn_inputs(B: int, dtype: torch.dtype, slots: list[int], n_slots: int) -> d
 
 
 def _gdn_step(inp: dict, conv_sd: torch.Tensor, ssm: torch.Tensor, qkv, a, b, dtype):  # noqa: ANN001, ANN202
-    out = torch.full((qkv.shape[0], inp["HV"], inp["V"]), float("nan"), device="cuda", dtype=dtype)
+    out = torch.full((qkv.shape[0], inp["HV"], inp["V"]), float("nan"), device=qkv.device,
+                     dtype=dtype)  # fmt: skip
     kernels.gdn_decode(
         qkv, a, b, conv_sd.transpose(-1, -2), inp["conv_w"], inp["conv_b"], inp["A_log"],
         inp["dt_bias"], ssm, out, inp["slots"], inp["H"], inp["K"] ** -0.5,
@@ -133,16 +154,15 @@ def _gdn_step(inp: dict, conv_sd: torch.Tensor, ssm: torch.Tensor, qkv, a, b, dt
     return out
 
 
-@gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B", [1, 3, 64, 256])
-def test_gdn_decode_vs_reference_and_torch(cuda_backend: None, dtype: torch.dtype, B: int) -> None:
+@pytest.mark.parametrize("kdev,B", cases([1, 3, 64, 256], [3, 1]), indirect=["kdev"])
+def test_gdn_decode_vs_reference_and_torch(kdev: str, dtype: torch.dtype, B: int) -> None:
     n_slots = B + 8
     perm = (torch.randperm(n_slots - 1) + 1)[:B].tolist()
     # Dead rows: vLLM's null block (0) and padding (-1) in the batch.
     if B >= 3:
         perm[1], perm[-1] = 0, -1
-    inp = _gdn_inputs(B, dtype, perm, n_slots)
+    inp = _gdn_inputs(B, dtype, perm, n_slots, kdev)
     live = [i for i, s in enumerate(perm) if s > 0]
     live_slots = [perm[i] for i in live]
     dead_slots = sorted(set(range(n_slots)) - set(live_slots))
@@ -150,9 +170,9 @@ def test_gdn_decode_vs_reference_and_torch(cuda_backend: None, dtype: torch.dtyp
     ref_conv = inp["conv_sd"][live_slots].transpose(-1, -2).double().cpu()
     ref_ssm = inp["ssm"][live_slots].double()
     for _step in range(3):  # state carry across steps
-        qkv = torch.randn(B, inp["D"], device="cuda").to(dtype)
-        a = torch.randn(B, inp["HV"], device="cuda").to(dtype)
-        b = torch.randn(B, inp["HV"], device="cuda").to(dtype)
+        qkv = torch.randn(B, inp["D"], device=kdev).to(dtype)
+        a = torch.randn(B, inp["HV"], device=kdev).to(dtype)
+        b = torch.randn(B, inp["HV"], device=kdev).to(dtype)
         outs = {}
         for name in ("cuda", "torch"):
             kernels.set_backend(name)
@@ -170,7 +190,7 @@ def test_gdn_decode_vs_reference_and_torch(cuda_backend: None, dtype: torch.dtyp
             inp["A_log"].cpu(), a[live].cpu(), inp["dt_bias"].cpu(), b[live].cpu()
         )
         o_ref, ref_ssm = gref.gated_delta_rule_reference_fast(
-            q.cuda(), k.cuda(), v.cuda(), g.view(n, -1).cuda(), beta.view(n, -1).cuda(),
+            q.to(kdev), k.to(kdev), v.to(kdev), g.view(n, -1).to(kdev), beta.view(n, -1).to(kdev),
             list(range(n + 1)), initial_state=ref_ssm,
         )  # fmt: skip
         _check(outs["cuda"][live].cpu(), outs["torch"][live].cpu(), o_ref.cpu(), dtype)
@@ -193,17 +213,16 @@ def test_gdn_decode_vs_reference_and_torch(cuda_backend: None, dtype: torch.dtyp
 # ------------------------------------------------------------------------------------------
 
 
-@gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("T", [1, 5, 32])
+@pytest.mark.parametrize("kdev,T", cases([1, 5, 32], [5]), indirect=["kdev"])
 def test_moe_route_ties_and_weights(
-    cuda_backend: None, dtype: torch.dtype, renormalize: bool, T: int
+    kdev: str, dtype: torch.dtype, renormalize: bool, T: int
 ) -> None:
     E, k = 256, 8
-    logits = torch.randn(T, E, device="cuda").to(dtype)
+    logits = torch.randn(T, E, device=kdev).to(dtype)
     # Many exact ties: a few distinct values, so the tie order decides the picks.
-    logits[: (T + 1) // 2] = torch.randint(-2, 3, (((T + 1) // 2), E), device="cuda").to(dtype)
+    logits[: (T + 1) // 2] = torch.randint(-2, 3, (((T + 1) // 2), E), device=kdev).to(dtype)
     r = _both(kernels.moe_route, logits, k, renormalize)
     (w_c, id_c), (w_t, id_t) = r["cuda"][0], r["torch"][0]
     assert id_c.dtype == torch.int64 and w_c.dtype == torch.float32
@@ -214,30 +233,30 @@ def test_moe_route_ties_and_weights(
     assert rel_err(w_c.cpu(), w_ref) <= 1e-6
 
 
-def _moe_weights(E: int, H: int, I: int, dtype: torch.dtype) -> tuple:  # noqa: E741
-    w13 = (torch.randn(E, 2 * I, H, device="cuda") * H**-0.5).to(dtype)
-    w2 = (torch.randn(E, H, I, device="cuda") * I**-0.5).to(dtype)
+def _moe_weights(E: int, H: int, I: int, dtype: torch.dtype, dev: str = "cuda") -> tuple:  # noqa: E741
+    w13 = (torch.randn(E, 2 * I, H, device=dev) * H**-0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, device=dev) * I**-0.5).to(dtype)
     return w13, w2
 
 
-@gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("T", [1, 4, 32])
+@pytest.mark.parametrize("kdev,T", cases([1, 4, 32], [3]), indirect=["kdev"])
 def test_moe_decode_vs_reference_and_torch(
-    cuda_backend: None, dtype: torch.dtype, shared: bool, T: int
+    kdev: str, dtype: torch.dtype, shared: bool, T: int
 ) -> None:
-    E, H, I, k = 256, 2048, 128, 8  # noqa: E741 - Qwen3.6-35B-A3B at TP4
-    w13, w2 = _moe_weights(E, H, I, dtype)
-    x = torch.randn(T, H, device="cuda").to(dtype)
-    logits = torch.randn(T, E, device="cuda")
+    # Qwen3.6-35B-A3B at TP4 on the GPU; fewer experts under emulation (same H and I).
+    E, H, I, k = (256 if kdev == "cuda" else 16), 2048, 128, 8  # noqa: E741
+    w13, w2 = _moe_weights(E, H, I, dtype, kdev)
+    x = torch.randn(T, H, device=kdev).to(dtype)
+    logits = torch.randn(T, E, device=kdev)
     if T > 1:
         logits[1] = logits[0]  # two tokens on the same experts
     w, ids = moe.route(logits, k, True)
     sh = None
     if shared:
-        sw13, sw2 = _moe_weights(1, H, I, dtype)
-        sh = (sw13[0], sw2[0], (torch.randn(1, H, device="cuda") * H**-0.5).to(dtype))
+        sw13, sw2 = _moe_weights(1, H, I, dtype, kdev)
+        sh = (sw13[0], sw2[0], (torch.randn(1, H, device=kdev) * H**-0.5).to(dtype))
     r = _both(kernels.moe_decode, x, w, ids, w13, w2, sh)
     ref = mref.moe_experts_reference(x.cpu(), w.cpu(), ids.cpu(), w13.cpu(), w2.cpu())
     if sh is not None:
@@ -245,13 +264,13 @@ def test_moe_decode_vs_reference_and_torch(
     _check(r["cuda"][0].cpu(), r["torch"][0].cpu(), ref, dtype)
 
 
-@gpu
-def test_moe_decode_small_model_shapes(cuda_backend: None) -> None:
+@pytest.mark.parametrize("kdev", ["emu64", pytest.param("cuda", marks=gpu)], indirect=True)
+def test_moe_decode_small_model_shapes(kdev: str) -> None:
     """The tiny test model's sizes (H 128, I 64, 8 experts top-2) in float32."""
     E, H, I, k, T = 8, 128, 64, 2, 3  # noqa: E741
-    w13, w2 = _moe_weights(E, H, I, torch.float32)
-    x = torch.randn(T, H, device="cuda")
-    w, ids = kernels.moe_route(torch.randn(T, E, device="cuda"), k, True)
+    w13, w2 = _moe_weights(E, H, I, torch.float32, kdev)
+    x = torch.randn(T, H, device=kdev)
+    w, ids = kernels.moe_route(torch.randn(T, E, device=kdev), k, True)
     out = kernels.moe_decode(x, w, ids, w13, w2)
     ref = mref.moe_experts_reference(x.cpu(), w.cpu(), ids.cpu(), w13.cpu(), w2.cpu())
     assert rel_err(out.cpu(), ref) <= TOL[torch.float32]
@@ -263,7 +282,8 @@ def test_moe_decode_small_model_shapes(cuda_backend: None) -> None:
 
 
 @gpu
-def test_decode_ops_capture_and_replay(cuda_backend: None) -> None:
+@pytest.mark.parametrize("kdev", ["cuda"], indirect=True)
+def test_decode_ops_capture_and_replay(kdev: str) -> None:
     """One decode layer's fused ops captured in a CUDA graph replay what eager computes."""
     dtype, B = torch.bfloat16, 4
     inp = _gdn_inputs(B, dtype, [3, 0, 5, 1], 8)

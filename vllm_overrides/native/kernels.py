@@ -55,6 +55,8 @@ BACKENDS = ("auto", "cuda", "torch")
 
 _mode = os.environ.get("NATIVE_KERNELS", "auto").strip().lower() or "auto"
 _loaded: bool | None = None  # None: not tried yet
+_emulated = False  # tests: the kernels built for host threads serve CPU tensors
+_emulation_built = False
 _load_error = ""
 _logged: set[str] = set()
 
@@ -87,6 +89,32 @@ def jit_build(verbose: bool = False) -> None:
     )
 
 
+def enable_cpu_emulation(warp_size: int = 64) -> None:
+    """Tests only: build ``csrc/`` for host threads (``csrc/cpu_emulation.h``) and route CPU
+    tensors through the very same kernels and wrappers, with ``warp_size``-lane warps."""
+    global _loaded, _emulated, _emulation_built
+    if not _emulation_built:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name="vo_native_kernels_cpu_emulation",
+            sources=[str(CSRC / "cpu_emulation.cpp")],
+            extra_cflags=["-O1", "-fno-strict-aliasing", "-Wno-unknown-pragmas"],
+            extra_include_paths=[str(CSRC)],
+            is_python_module=False,
+        )
+        _register_fakes()
+        _loaded = _emulation_built = True
+    _emulated = True
+    torch.ops.vo_kernels.emu_set_warp_size(warp_size)
+
+
+def disable_cpu_emulation() -> None:
+    """Tests only: CPU tensors take the PyTorch ops again (the built library stays loaded)."""
+    global _emulated
+    _emulated = False
+
+
 def extension_loaded() -> bool:
     """Load the extension once (wheel, else JIT when ``NATIVE_KERNELS_JIT=1``)."""
     global _loaded, _load_error
@@ -112,6 +140,8 @@ def use_cuda(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve a call on ``x``'s device under the current backend."""
     if _mode == "torch":
         return False
+    if _emulated and x.device.type == "cpu":
+        return True
     if x.device.type != "cuda":
         if _mode == "cuda":
             raise RuntimeError("NATIVE_KERNELS=cuda but the tensors are not on a CUDA device")
@@ -196,6 +226,11 @@ def gdn_decode(
         and ssm_state.dtype == torch.float32
         and ssm_state.is_contiguous()
         and conv_state.dtype == mixed_qkv.dtype
+        and a.dtype == b.dtype == mixed_qkv.dtype
+        and a.stride(-1) == 1
+        and b.stride(-1) == 1
+        and mixed_qkv.stride(-1) == 1
+        and ssm_state.shape[-1] <= 128
         and out.dtype == mixed_qkv.dtype
         and out.stride(-1) == 1
         and out.stride(-2) == out.shape[-1]

@@ -11,12 +11,28 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+
+#ifdef VO_CPU_EMULATION
+// Test build only: the CUDA execution model on host threads (cpu_emulation.h), so CPU CI runs
+// these very kernels, with 64- and 32-lane warps.
+#include "cpu_emulation.h"
+#else
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#define VO_DISPATCH_KEY CUDA
+#define VO_ON_DEVICE(t) (t).is_cuda()
+#define VO_DEVICE_GUARD(t) const c10::cuda::OptionalCUDAGuard vo_guard_((t).device())
+#define VO_DYN_SMEM(type, name) extern __shared__ type name[]
+#define VO_LAUNCH(kernel, grid, block, smem, ...)                                 \
+  do {                                                                           \
+    kernel<<<grid, block, smem, c10::cuda::getCurrentCUDAStream()>>>(__VA_ARGS__); \                                              \
+  } while (0)
+#endif
 
 namespace {
 
@@ -27,7 +43,10 @@ namespace {
                          AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__) \
                              AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
 
-constexpr int kBlock = 256;   // threads per block in every kernel (a multiple of 64)
+#ifndef VO_BLOCK_THREADS
+#define VO_BLOCK_THREADS 256
+#endif
+constexpr int kBlock = VO_BLOCK_THREADS;  // threads per block in every kernel (a multiple of 64)
 constexpr int kMaxWarps = 32; // kBlock / smallest warp we accept (8 for 32 lanes, 4 for 64)
 
 template <typename T>
@@ -95,7 +114,7 @@ template <typename T>
 __global__ void gemma_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ residual,
                                       const T* __restrict__ weight, T* __restrict__ out,
                                       T* __restrict__ res_out, int H, float eps) {
-  extern __shared__ float row[];  // H floats
+  VO_DYN_SMEM(float, row);  // H floats
   __shared__ float red[kMaxWarps];
   const int64_t r = blockIdx.x;
   const T* xr = x + r * H;
@@ -122,7 +141,7 @@ __global__ void rms_norm_gated_kernel(const T* __restrict__ x, const T* __restri
                                       const T* __restrict__ weight, T* __restrict__ out, int HV,
                                       int V, int64_t sx0, int64_t sx1, int64_t sz0, int64_t sz1,
                                       float eps, bool sigmoid_gate) {
-  extern __shared__ float row[];  // V floats
+  VO_DYN_SMEM(float, row);  // V floats
   __shared__ float red[kMaxWarps];
   const int64_t n = blockIdx.x;
   const int64_t t = n / HV, h = n % HV;
@@ -161,7 +180,7 @@ __global__ void gdn_decode_kernel(
     float* __restrict__ ssm, int64_t ssm_slot,                                   // [S, HV, V, K]
     T* __restrict__ out, int64_t s_out,                                          // [B, HV, V]
     const int32_t* __restrict__ slots, int H, int HV, int K, int V, float scale, bool silu) {
-  extern __shared__ float sm[];  // q[K] k[K] v[R*V] gates[2R]
+  VO_DYN_SMEM(float, sm);  // q[K] k[K] v[R*V] gates[2R]
   __shared__ float red[2 * kMaxWarps];
   const int h = blockIdx.x, bi = blockIdx.y, tid = threadIdx.x;
   const int R = HV / H;
@@ -275,7 +294,7 @@ template <typename T>
 __global__ void moe_route_kernel(const T* __restrict__ logits, int64_t s_row, int E, int top_k,
                                  bool renormalize, float* __restrict__ w_out,
                                  int64_t* __restrict__ id_out) {
-  extern __shared__ float lg[];  // E logits, then E "taken" flags
+  VO_DYN_SMEM(float, lg);  // E logits, then E "taken" flags
   __shared__ float red_v[kMaxWarps];
   __shared__ int red_i[kMaxWarps];
   __shared__ float sel_v[64];
@@ -434,7 +453,7 @@ __global__ void moe_down_kernel(const float* __restrict__ act, int act_stride,
                                 const T* __restrict__ w2, int I, const T* __restrict__ sh_w2,
                                 int Is, const float* __restrict__ sh_sig, int H,
                                 T* __restrict__ out) {
-  extern __shared__ float a_s[];  // (top_k + shared) * act_stride, weight folded in
+  VO_DYN_SMEM(float, a_s);  // (top_k + shared) * act_stride, weight folded in
   const int t = blockIdx.y;
   const int npairs = top_k + (sh_w2 != nullptr ? 1 : 0);
   for (int idx = threadIdx.x; idx < npairs * act_stride; idx += blockDim.x) {
@@ -453,7 +472,7 @@ __global__ void moe_down_kernel(const float* __restrict__ act, int act_stride,
   constexpr int N = Vec<T>::N;
   const int lane = threadIdx.x % kGdnGroup, groups = blockDim.x / kGdnGroup;
   for (int r = blockIdx.x * kRowsDown + threadIdx.x / kGdnGroup;
-       r < min(H, (int)(blockIdx.x + 1) * kRowsDown); r += groups) {
+       r < std::min(H, (int)(blockIdx.x + 1) * kRowsDown); r += groups) {
     float acc = 0.f;
     for (int j = 0; j < npairs; ++j) {
       const bool sh = j >= top_k;
@@ -477,21 +496,19 @@ __global__ void moe_down_kernel(const float* __restrict__ act, int act_stride,
 // ------------------------------------------------------------------------------------------
 
 at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.is_cuda() && weight.is_cuda(), "gemma_rms_norm: CUDA tensors expected");
-  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  TORCH_CHECK(VO_ON_DEVICE(x) && VO_ON_DEVICE(weight), "gemma_rms_norm: CUDA tensors expected");
+  VO_DEVICE_GUARD(x);
   const int H = x.size(-1);
   auto xc = x.contiguous();
   auto w = weight.to(x.scalar_type()).contiguous();
   auto out = at::empty_like(xc);
   const int64_t rows = xc.numel() / H;
   if (rows == 0) return out;
-  auto stream = c10::cuda::getCurrentCUDAStream();
   VO_DISPATCH_FLOATS(x.scalar_type(), "gemma_rms_norm", [&] {
-    gemma_rms_norm_kernel<scalar_t><<<rows, kBlock, H * sizeof(float), stream>>>(
+    VO_LAUNCH(gemma_rms_norm_kernel<scalar_t>, rows, kBlock, H * sizeof(float), 
         xc.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
         nullptr, H, static_cast<float>(eps));
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
@@ -499,9 +516,9 @@ std::tuple<at::Tensor, at::Tensor> gemma_fused_add_rms_norm(const at::Tensor& x,
                                                             const at::Tensor& residual,
                                                             const at::Tensor& weight,
                                                             double eps) {
-  TORCH_CHECK(x.is_cuda() && residual.is_cuda(), "gemma_fused_add_rms_norm: CUDA tensors");
+  TORCH_CHECK(VO_ON_DEVICE(x) && VO_ON_DEVICE(residual), "gemma_fused_add_rms_norm: CUDA tensors");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual shapes differ");
-  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  VO_DEVICE_GUARD(x);
   const int H = x.size(-1);
   auto xc = x.contiguous();
   auto rc = residual.to(x.scalar_type()).contiguous();
@@ -510,22 +527,20 @@ std::tuple<at::Tensor, at::Tensor> gemma_fused_add_rms_norm(const at::Tensor& x,
   auto res = at::empty_like(xc);
   const int64_t rows = xc.numel() / H;
   if (rows == 0) return {out, res};
-  auto stream = c10::cuda::getCurrentCUDAStream();
   VO_DISPATCH_FLOATS(x.scalar_type(), "gemma_fused_add_rms_norm", [&] {
-    gemma_rms_norm_kernel<scalar_t><<<rows, kBlock, H * sizeof(float), stream>>>(
+    VO_LAUNCH(gemma_rms_norm_kernel<scalar_t>, rows, kBlock, H * sizeof(float), 
         xc.data_ptr<scalar_t>(), rc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
         out.data_ptr<scalar_t>(), res.data_ptr<scalar_t>(), H, static_cast<float>(eps));
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, res};
 }
 
 at::Tensor rms_norm_gated(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight,
                           double eps, bool sigmoid_gate) {
-  TORCH_CHECK(x.is_cuda() && z.is_cuda(), "rms_norm_gated: CUDA tensors expected");
+  TORCH_CHECK(VO_ON_DEVICE(x) && VO_ON_DEVICE(z), "rms_norm_gated: CUDA tensors expected");
   TORCH_CHECK(x.sizes() == z.sizes() && x.scalar_type() == z.scalar_type(),
               "rms_norm_gated: x and z differ");
-  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  VO_DEVICE_GUARD(x);
   const int V = x.size(-1);
   // View both as [T, HV, V] with unit stride on V.
   auto as3 = [&](const at::Tensor& t) {
@@ -540,15 +555,13 @@ at::Tensor rms_norm_gated(const at::Tensor& x, const at::Tensor& z, const at::Te
   auto out = at::empty(x.sizes(), x.options());
   const int64_t n = x3.size(0) * x3.size(1);
   if (n == 0) return out;
-  auto stream = c10::cuda::getCurrentCUDAStream();
   const int threads = V <= 128 ? 128 : kBlock;
   VO_DISPATCH_FLOATS(x.scalar_type(), "rms_norm_gated", [&] {
-    rms_norm_gated_kernel<scalar_t><<<n, threads, V * sizeof(float), stream>>>(
+    VO_LAUNCH(rms_norm_gated_kernel<scalar_t>, n, threads, V * sizeof(float), 
         x3.data_ptr<scalar_t>(), z3.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
         out.data_ptr<scalar_t>(), x3.size(1), V, x3.stride(0), x3.stride(1), z3.stride(0),
         z3.stride(1), static_cast<float>(eps), sigmoid_gate);
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
@@ -557,7 +570,7 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
                 const c10::optional<at::Tensor>& conv_bias, const at::Tensor& A_log,
                 const at::Tensor& dt_bias, at::Tensor& ssm_state, at::Tensor& out,
                 const at::Tensor& slots, int64_t num_k_heads, double scale, bool silu) {
-  TORCH_CHECK(qkv.is_cuda() && ssm_state.is_cuda(), "gdn_decode: CUDA tensors expected");
+  TORCH_CHECK(VO_ON_DEVICE(qkv) && VO_ON_DEVICE(ssm_state), "gdn_decode: CUDA tensors expected");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "gdn_decode: qkv [B, D], unit stride");
   TORCH_CHECK(ssm_state.scalar_type() == at::kFloat && ssm_state.is_contiguous(),
               "gdn_decode: float32 contiguous ssm_state");
@@ -579,8 +592,7 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
   TORCH_CHECK(qkv.size(1) == 2 * H * K + HV * V, "gdn_decode: qkv width != 2HK + HV*V");
   TORCH_CHECK(out.size(0) >= B && out.stride(-1) == 1 && out.stride(-2) == V,
               "gdn_decode: out [B, HV, V] with contiguous heads");
-  const c10::cuda::OptionalCUDAGuard guard(qkv.device());
-  auto stream = c10::cuda::getCurrentCUDAStream();
+  VO_DEVICE_GUARD(qkv);
   const int R = HV / H;
   const size_t smem = (2 * K + R * V + 2 * R) * sizeof(float);
   dim3 grid(H, B);
@@ -590,7 +602,7 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
       TORCH_CHECK(conv_bias->scalar_type() == qkv.scalar_type() && conv_bias->is_contiguous(),
                   "gdn_decode: conv_bias dtype");
     TORCH_CHECK(conv_weight.scalar_type() == qkv.scalar_type(), "gdn_decode: conv_weight dtype");
-    gdn_decode_kernel<scalar_t><<<grid, kBlock, smem, stream>>>(
+    VO_LAUNCH(gdn_decode_kernel<scalar_t>, grid, kBlock, smem, 
         qkv.data_ptr<scalar_t>(), qkv.stride(0), a.data_ptr<scalar_t>(), a.stride(0),
         b.data_ptr<scalar_t>(), b.stride(0), conv_state.data_ptr<scalar_t>(),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
@@ -599,26 +611,23 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
         out.data_ptr<scalar_t>(), out.stride(0), slots.data_ptr<int32_t>(), H, HV, K, V,
         static_cast<float>(scale), silu);
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
                                              bool renormalize) {
-  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.stride(1) == 1,
+  TORCH_CHECK(VO_ON_DEVICE(logits) && logits.dim() == 2 && logits.stride(1) == 1,
               "moe_route: CUDA [T, E] logits with unit stride");
   const int T = logits.size(0), E = logits.size(1);
   TORCH_CHECK(top_k >= 1 && top_k <= E && top_k <= 64 && E <= 1024, "moe_route: sizes");
-  const c10::cuda::OptionalCUDAGuard guard(logits.device());
+  VO_DEVICE_GUARD(logits);
   auto w = at::empty({T, top_k}, logits.options().dtype(at::kFloat));
   auto ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
   if (T == 0) return {w, ids};
-  auto stream = c10::cuda::getCurrentCUDAStream();
   VO_DISPATCH_FLOATS(logits.scalar_type(), "moe_route", [&] {
-    moe_route_kernel<scalar_t><<<T, kBlock, 2 * E * sizeof(float), stream>>>(
+    VO_LAUNCH(moe_route_kernel<scalar_t>, T, kBlock, 2 * E * sizeof(float), 
         logits.data_ptr<scalar_t>(), logits.stride(0), E, top_k, renormalize,
         w.data_ptr<float>(), ids.data_ptr<int64_t>());
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {w, ids};
 }
 
@@ -627,7 +636,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& topk_w, const at::T
                       const c10::optional<at::Tensor>& sh_w13,
                       const c10::optional<at::Tensor>& sh_w2,
                       const c10::optional<at::Tensor>& sh_gate) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "moe_decode: x [T, H]");
+  TORCH_CHECK(VO_ON_DEVICE(x) && x.dim() == 2 && x.is_contiguous(), "moe_decode: x [T, H]");
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_decode: contiguous weights");
   TORCH_CHECK(topk_w.scalar_type() == at::kFloat, "moe_decode: float32 weights");
   const int T = x.size(0), H = x.size(1), k = topk_ids.size(1);
@@ -640,7 +649,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& topk_w, const at::T
                 "moe_decode: shared expert shapes");
   const int vec = 16 / x.element_size();
   TORCH_CHECK(H % vec == 0 && I % vec == 0 && Is % vec == 0, "moe_decode: H, I % 16 bytes");
-  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  VO_DEVICE_GUARD(x);
   auto ids = topk_ids.to(at::kLong).contiguous();
   auto tw = topk_w.contiguous();
   auto out = at::empty_like(x);
@@ -650,24 +659,21 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& topk_w, const at::T
   auto act = at::empty({P, act_stride}, x.options().dtype(at::kFloat));
   auto sig = at::empty({has_sh ? T : 1}, x.options().dtype(at::kFloat));
   const bool has_gate = has_sh && sh_gate.has_value();
-  auto stream = c10::cuda::getCurrentCUDAStream();
   VO_DISPATCH_FLOATS(x.scalar_type(), "moe_decode", [&] {
     using T_ = scalar_t;
     dim3 g1((act_stride + kRowsUp - 1) / kRowsUp, P);
-    moe_up_kernel<T_><<<g1, kBlock, 0, stream>>>(
+    VO_LAUNCH(moe_up_kernel<T_>, g1, kBlock, 0, 
         x.data_ptr<T_>(), H, ids.data_ptr<int64_t>(), T, k, w13.data_ptr<T_>(), I,
         has_sh ? sh_w13->data_ptr<T_>() : nullptr, Is,
         has_gate ? sh_gate->data_ptr<T_>() : nullptr, act.data_ptr<float>(),
         sig.data_ptr<float>(), act_stride);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     dim3 g2((H + kRowsDown - 1) / kRowsDown, T);
     const size_t smem = (k + (has_sh ? 1 : 0)) * act_stride * sizeof(float);
-    moe_down_kernel<T_><<<g2, kBlock, smem, stream>>>(
+    VO_LAUNCH(moe_down_kernel<T_>, g2, kBlock, smem, 
         act.data_ptr<float>(), act_stride, tw.data_ptr<float>(), ids.data_ptr<int64_t>(), T, k,
         w2.data_ptr<T_>(), I, has_sh ? sh_w2->data_ptr<T_>() : nullptr, Is,
         has_gate ? sig.data_ptr<float>() : nullptr, H, out.data_ptr<T_>());
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
@@ -686,7 +692,7 @@ TORCH_LIBRARY(vo_kernels, m) {
         " Tensor? sh_w13, Tensor? sh_w2, Tensor? sh_gate) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(vo_kernels, CUDA, m) {
+TORCH_LIBRARY_IMPL(vo_kernels, VO_DISPATCH_KEY, m) {
   m.impl("gemma_rms_norm", &gemma_rms_norm);
   m.impl("gemma_fused_add_rms_norm", &gemma_fused_add_rms_norm);
   m.impl("rms_norm_gated", &rms_norm_gated);

@@ -1,0 +1,10 @@
+// Test build of native_kernels.cu: the same kernels and host wrappers, run on host threads
+// (cpu_emulation.h) and registered for CPU tensors. Built by kernels.enable_cpu_emulation() for
+// tests/native/test_kernel_emulation.py; never shipped or used by the server.
+#define VO_CPU_EMULATION 1
+#include "native_kernels.cu"
+
+TORCH_LIBRARY_FRAGMENT(vo_kernels, m) {
+  // The emulated warp width (a GPU's is fixed; the tests run the target's 64 and NVIDIA's 32).
+  m.def("emu_set_warp_size", [](int64_t w) { warpSize = static_cast<int>(w); });
+}

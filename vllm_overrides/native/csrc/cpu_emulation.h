@@ -1,0 +1,190 @@
+// The CUDA execution model on the host, for testing native_kernels.cu on a machine without a GPU
+// (tests/native/test_cuda_kernels.py builds it through kernels.enable_cpu_emulation()). Never
+// shipped.
+//
+// One launch runs its blocks one after another; the threads of a block are cooperative fibers
+// (ucontext) on one OS thread, so __syncthreads() is a real barrier and block-level `__shared__`
+// variables can be plain statics. Warps are `warpSize` consecutive threads (a runtime value, as
+// on a GPU: the tests run 64, the target's width, and 32). A shuffle writes a per-thread slot and
+// waits on its warp's barrier, so a shuffle or __syncthreads that not every thread reaches is
+// caught as a deadlock (an error naming the block), as such divergence is undefined on a device.
+// Dynamic shared memory starts as NaN bytes, so a read before a write shows up in results.
+#pragma once
+
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+
+// Block size of the test build: two 64-lane warps (four 32-lane ones), so cross-warp
+// reductions are exercised, at half the fibers of the production 256.
+#define VO_BLOCK_THREADS 128
+
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned long long x_ = 1, unsigned long long y_ = 1, unsigned long long z_ = 1)
+      : x(static_cast<unsigned>(x_)), y(static_cast<unsigned>(y_)), z(static_cast<unsigned>(z_)) {}
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+
+inline dim3 threadIdx;  // set by the scheduler before it resumes a fiber
+inline dim3 blockIdx;
+inline dim3 blockDim;
+inline dim3 gridDim;
+inline int warpSize = 64;
+
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+using std::max;
+using std::min;
+
+namespace vo_emu {
+
+constexpr size_t kStack = 256 * 1024;
+
+struct Barrier {
+  int n;
+  int count = 0;
+  unsigned long generation = 0;
+};
+
+struct Launch {
+  std::vector<ucontext_t> ctx;
+  std::vector<std::unique_ptr<char[]>> stacks;
+  std::vector<char> done;
+  ucontext_t main;
+  int cur = 0;
+  unsigned long progress = 0;  // barriers completed + threads finished
+  Barrier block;
+  std::vector<Barrier> warps;
+  std::vector<unsigned long long> slots[2];  // double-buffered shuffle slots
+  std::vector<int> parity;                   // which buffer each thread's next shuffle uses
+  std::vector<unsigned char> smem;
+  const std::function<void()>* body = nullptr;
+};
+inline Launch* current = nullptr;
+
+inline void yield() {
+  Launch& l = *current;
+  swapcontext(&l.ctx[l.cur], &l.main);
+}
+
+inline void wait(Barrier& b) {
+  const unsigned long gen = b.generation;
+  if (++b.count == b.n) {
+    b.count = 0;
+    ++b.generation;
+    ++current->progress;
+    return;
+  }
+  while (b.generation == gen) yield();
+}
+
+inline void trampoline() {
+  Launch& l = *current;
+  (*l.body)();
+  l.done[l.cur] = 1;
+  ++l.progress;
+  swapcontext(&l.ctx[l.cur], &l.main);  // never resumed
+}
+
+inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
+  const int n = static_cast<int>(block.x);
+  if (block.y != 1 || block.z != 1 || n % warpSize != 0)
+    throw std::runtime_error("vo cpu emulation: 1-D blocks of whole warps only");
+  Launch l;
+  l.ctx.resize(n);
+  l.done.assign(n, 0);
+  for (int t = 0; t < n; ++t) l.stacks.emplace_back(new char[kStack]);
+  l.block.n = n;
+  l.warps.assign(n / warpSize, Barrier{warpSize});
+  l.slots[0].assign(n, 0);
+  l.slots[1].assign(n, 0);
+  l.parity.assign(n, 0);
+  l.smem.assign(smem_bytes + 16, 0xFF);  // NaN floats until written
+  l.body = &body;
+  Launch* outer = current;
+  current = &l;
+  blockDim = block;
+  gridDim = grid;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx = dim3(x, y, z);
+        for (int t = 0; t < n; ++t) {
+          getcontext(&l.ctx[t]);
+          l.ctx[t].uc_stack.ss_sp = l.stacks[t].get();
+          l.ctx[t].uc_stack.ss_size = kStack;
+          l.ctx[t].uc_link = nullptr;
+          makecontext(&l.ctx[t], trampoline, 0);
+          l.done[t] = 0;
+        }
+        int finished = 0;
+        while (finished < n) {
+          const unsigned long before = l.progress;
+          finished = 0;
+          for (int t = 0; t < n; ++t) {
+            if (l.done[t]) {
+              ++finished;
+              continue;
+            }
+            l.cur = t;
+            threadIdx = dim3(t);
+            swapcontext(&l.main, &l.ctx[t]);
+            finished += l.done[t];
+          }
+          if (finished < n && l.progress == before) {
+            current = outer;
+            throw std::runtime_error(
+                "vo cpu emulation: deadlock in block (" + std::to_string(x) + "," +
+                std::to_string(y) + "): a __syncthreads or shuffle not reached by every thread");
+          }
+        }
+      }
+  current = outer;
+}
+
+}  // namespace vo_emu
+
+inline void __syncthreads() { vo_emu::wait(vo_emu::current->block); }
+inline unsigned long long __activemask() { return ~0ull; }
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned long long, T v, int lane_mask, int width = warpSize) {
+  static_assert(sizeof(T) <= sizeof(unsigned long long), "shuffle of a wide type");
+  auto& l = *vo_emu::current;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % warpSize, warp = tid / warpSize;
+  auto& slots = l.slots[l.parity[tid]];
+  l.parity[tid] ^= 1;
+  std::memcpy(&slots[tid], &v, sizeof(T));
+  vo_emu::wait(l.warps[warp]);
+  int src = lane ^ lane_mask;
+  if (src / width != lane / width || src >= warpSize) src = lane;  // later group: own value
+  T r;
+  std::memcpy(&r, &slots[warp * warpSize + src], sizeof(T));
+  return r;
+}
+
+#define VO_DISPATCH_KEY CPU
+#define VO_ON_DEVICE(t) (t).is_cpu()
+#define VO_DEVICE_GUARD(t) (void)(t)
+#define VO_DYN_SMEM(type, name) type* name = reinterpret_cast<type*>(vo_emu::current->smem.data())
+#define VO_LAUNCH(kernel, grid, block, smem, ...) \
+  vo_emu::launch(dim3(grid), dim3(block), (smem), [&] { kernel(__VA_ARGS__); })
