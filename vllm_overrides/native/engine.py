@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from . import gdn, moe, rmsnorm
+from . import gdn, gdn_checkpoint, kernels, moe
 
 logger = logging.getLogger("vllm.vllm_overrides.native")
 
@@ -120,9 +120,7 @@ def gemma_rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``GemmaRMSNorm.forward_native`` through :mod:`.rmsnorm` (traceable)."""
     _mark("gemma_rms_norm")
-    if residual is None:
-        return rmsnorm.gemma_rms_norm(x, layer.weight, layer.variance_epsilon)
-    return rmsnorm.gemma_fused_add_rms_norm(x, residual, layer.weight, layer.variance_epsilon)
+    return kernels.gemma_rms_norm(x, layer.weight, layer.variance_epsilon, residual)
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,7 +144,7 @@ def gdn_output_norm(norm: Any, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor
     if norm.group_size is not None or not norm.norm_before_gate:
         return norm(x, z)
     _mark("rms_norm_gated")
-    return rmsnorm.rms_norm_gated(x, z, norm.weight, norm.eps, norm.activation)
+    return kernels.rms_norm_gated(x, z, norm.weight, norm.eps, norm.activation)
 
 
 def _conv_weight(layer: Any) -> torch.Tensor:
@@ -157,6 +155,16 @@ def _conv_weight(layer: Any) -> torch.Tensor:
         return w
     w = layer.conv1d.weight
     return w.view(w.size(0), w.size(2)) if w.dim() == 3 else w
+
+
+def _gate_params_f32(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A_log`` and ``dt_bias`` as float32, converted once per layer (``dt_bias`` is a
+    model-dtype parameter; converting it every step would be one more launch per layer)."""
+    cached = getattr(layer, "_vo_gate_params_f32", None)
+    if cached is None or cached[0].device != layer.A_log.device:
+        cached = (layer.A_log.detach().float(), layer.dt_bias.detach().float())
+        layer._vo_gate_params_f32 = cached
+    return cached
 
 
 _denormals_flushed = False
@@ -211,12 +219,12 @@ def gdn_forward_core(
 
     if nd > 0:
         with _range("vo.gdn.decode"):
-            x = gdn.causal_conv1d_decode(
-                mixed_qkv[:ndt], conv_state, weight, bias, layer.activation, idx[:nd]
-            )
-            gdn.fused_recurrent_gated_delta_rule_packed_decode(
-                x, a[:ndt], b[:ndt], layer.A_log, layer.dt_bias, K**-0.5, ssm_state,
-                core_attn_out[:ndt].unsqueeze(1), idx[:nd], use_qk_l2norm_in_kernel=True,
+            # One fused launch where the extension serves this device (conv, gates, norms,
+            # delta rule, output); else the PyTorch ops.
+            A_log, dt_bias = _gate_params_f32(layer)
+            kernels.gdn_decode(
+                mixed_qkv[:ndt], a[:ndt], b[:ndt], conv_state, weight, bias, A_log, dt_bias,
+                ssm_state, core_attn_out[:ndt], idx[:nd], H, K**-0.5, layer.activation,
             )  # fmt: skip
     if npf > 0:
         with _range("vo.gdn.prefill"):
@@ -231,11 +239,20 @@ def gdn_forward_core(
             )
             h0 = ssm_state.index_select(0, pidx)
             h0 = torch.where(has_init.view(-1, 1, 1, 1), h0, torch.zeros_like(h0))
-            o, final = gdn.chunk_gated_delta_rule(
-                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
-                beta.unsqueeze(0), initial_state=h0, output_final_state=True, cu_seqlens=qsl,
-                use_qk_l2norm_in_kernel=False,
-            )  # fmt: skip
+            # Patch 0007: rows with a prefill checkpoint (md.checkpoint) run as two chained
+            # segments and export the state at the checkpoint into its slot.
+            ckpt = gdn_checkpoint.prefill_checkpoints(md, nd, npf)
+            if ckpt is not None:
+                o, final = gdn_checkpoint.chunk_rule_with_checkpoints(
+                    gdn.chunk_gated_delta_rule, q, k, v, g, beta, h0, qsl, ckpt[0], ckpt[1],
+                    mixed_qkv[ndt:n], conv_state, ssm_state,
+                )  # fmt: skip
+            else:
+                o, final = gdn.chunk_gated_delta_rule(
+                    q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
+                    beta.unsqueeze(0), initial_state=h0, output_final_state=True,
+                    cu_seqlens=qsl, use_qk_l2norm_in_kernel=False,
+                )  # fmt: skip
             assert final is not None
             ssm_state.index_copy_(0, pidx, final.to(ssm_state.dtype))
             core_attn_out[ndt:n] = o[0].to(core_attn_out.dtype)
@@ -451,14 +468,58 @@ def _routed_experts(
     w13: torch.Tensor,
     w2: torch.Tensor,
 ) -> torch.Tensor:
-    topk_w, topk_ids = moe.route(logits, block._vo_top_k, block._vo_renormalize)
     if bucket == "prefill":
+        topk_w, topk_ids = moe.route(logits, block._vo_top_k, block._vo_renormalize)
         return moe.moe_experts_prefill(x, topk_w, topk_ids, w13, w2)
+    topk_w, topk_ids = kernels.moe_route(logits, block._vo_top_k, block._vo_renormalize)
     if MOE_DECODE_NATIVE:
         if moe.grouped_mm_available(x.device, x.dtype):
             return moe.moe_experts_decode(x, topk_w, topk_ids, w13, w2, "grouped")
         return moe.moe_experts_prefill(x, topk_w, topk_ids, w13, w2, "loop")
-    return moe.moe_experts_decode(x, topk_w, topk_ids, w13, w2, "gather")
+    # Fused kernels where they serve this device (expert weights read in place), else the
+    # PyTorch gather + bmm path.
+    return kernels.moe_decode(x, topk_w, topk_ids, w13, w2)
+
+
+def _shared_weights(block: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The shared expert's plain weights ``(gate_up [2Is, H], down [H, Is], gate [1, H])``."""
+    se = block.shared_expert
+    if se is None:
+        return None
+    gate = getattr(se, "expert_gate", None)
+    return se.gate_up_proj.weight, se.down_proj.weight, None if gate is None else gate.weight
+
+
+@torch.library.custom_op("vllm_overrides::native_moe_experts", mutates_args=())
+def native_moe_experts(
+    x: torch.Tensor, router_logits: torch.Tensor, layer_name: str
+) -> torch.Tensor:
+    """Routed and shared experts of one layer (no all-reduce), for CUDA-like devices: at decode
+    sizes, where the fused kernels serve, routing + both expert kinds are 3 launches (the shared
+    expert rides along as one more expert); otherwise the routed op plus upstream's shared
+    expert module."""
+    block = _MOE_BLOCKS[layer_name]
+    if x.shape[0] <= MOE_DECODE_MAX_TOKENS and not MOE_DECODE_NATIVE and kernels.use_cuda(x):
+        weights = _expert_weights(block)
+        assert weights is not None  # checked when the block registered
+        _mark("moe_decode_native_fused")
+        report_usage()
+        with _range("vo.moe.decode.fused"):
+            topk_w, topk_ids = kernels.moe_route(
+                router_logits, block._vo_top_k, block._vo_renormalize
+            )
+            return kernels.moe_decode(x, topk_w, topk_ids, *weights, _shared_weights(block))
+    out = native_moe_routed(x, router_logits, layer_name)
+    if block.shared_expert is not None:
+        out = out + block.shared_expert(x)
+    return out
+
+
+@native_moe_experts.register_fake
+def _native_moe_experts_fake(
+    x: torch.Tensor, router_logits: torch.Tensor, layer_name: str
+) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("vllm_overrides::native_moe_routed", mutates_args=())
@@ -493,9 +554,13 @@ def moe_block_forward(block: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         return torch.ops.vllm_overrides.native_moe(x, block._vo_name).view(orig_shape)
     logits = block.gate(x)
     logits = logits[0] if isinstance(logits, tuple) else logits
-    out = torch.ops.vllm_overrides.native_moe_routed(x, logits, block._vo_name)
-    if block.shared_expert is not None:
-        out = out + block.shared_expert(x)
+    if x.device.type == "cuda":
+        out = torch.ops.vllm_overrides.native_moe_experts(x, logits, block._vo_name)
+    else:
+        # CPU: the shared expert stays in the compiled graph (eager it cost ~0.5 ms per layer).
+        out = torch.ops.vllm_overrides.native_moe_routed(x, logits, block._vo_name)
+        if block.shared_expert is not None:
+            out = out + block.shared_expert(x)
     if block.tp_size > 1:
         from vllm.distributed import tensor_model_parallel_all_reduce
 
