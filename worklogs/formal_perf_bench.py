@@ -95,9 +95,48 @@ def overhead_stats(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "max": max(diffs)}
 
 
+def add_ideal(base_url: str, specs: Sequence[perf_client.RequestSpec],
+              records: list[dict[str, Any]], api_key: str | None) -> dict[str, Any]:
+    """Per record ``ideal_tokens``: the longest common prefix, in the server's own token ids
+    (``/tokenize`` with the chat template), with any earlier request of the run (capped at
+    prompt - 1: vLLM always computes a prompt's last token); and the run's cache efficiency
+    (cached / ideal). Tokenized after the replay, so it never competes with it for the server.
+    """
+    tokens = perf_client.tokenize_chat(base_url, [s.body for s in specs], api_key)
+    known = [i for i, t in enumerate(tokens) if t is not None]
+    ideal = pm.ideal_prefix_tokens([tokens[i] for i in known])
+    for i, lcp in zip(known, ideal, strict=True):
+        rec, n = records[i], len(tokens[i] or ())
+        rec["tokenized_prompt_tokens"] = n
+        rec["ideal_tokens"] = min(lcp, n - 1)
+    eff = pm.cache_efficiency(records)
+    eff["n_not_tokenized"] = len(specs) - len(known)
+    return eff
+
+
+def efficiency_table(records: Sequence[dict[str, Any]], limit: int = 40) -> str:
+    rows = [(r["id"], r.get("session_id") or "", r.get("prompt_tokens"), r.get("ideal_tokens"),
+             r.get("cached_tokens"),
+             pm.pct(r["cached_tokens"] / r["ideal_tokens"]) if r.get("ideal_tokens")
+             and r.get("cached_tokens") is not None else "-")
+            for r in records[:limit]]
+    more = f"\n  ... {len(records) - limit} more in the JSON" if len(records) > limit else ""
+    return pm.render_table(rows, ("request", "session", "prompt", "ideal", "cached",
+                                  "cached/ideal")) + more
+
+
 def print_report(result: dict[str, Any], out_path: str) -> None:
     m = result["metrics"]
     print(pm.render_table(pm.metrics_rows(m), ("metric", "value")))
+    eff = result.get("cache_efficiency")
+    if eff and eff.get("n"):
+        print("\n" + efficiency_table(result["records"]))
+        print(f"\ncache efficiency (cached / token-level ideal): {pm.pct(eff['efficiency'])} "
+              f"= {eff['cached_tokens']:,} / {eff['ideal_tokens']:,}; ideal hit "
+              f"{pm.pct(eff['ideal_hit'])}, hit {pm.pct(eff['hit'])}; per request p10 "
+              f"{pm.pct(eff['efficiency_per_request']['p10'])}, "
+              f"{eff['efficiency_per_request']['n_below_95pct']} of "
+              f"{eff['efficiency_per_request']['n']} below 95 %")
     ov = result.get("template_overhead", {})
     if ov.get("n"):
         print(f"\nserver prompt_tokens - counted tokens (template overhead): min {ov['min']}, "
@@ -143,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="POST /reset_prefix_cache first (vLLM with VLLM_SERVER_DEV_MODE=1); "
                     "without it a rerun of the same dataset on the same server starts warm")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-ideal", action="store_true",
+                    help="skip the /tokenize pass (token-level ideal and cache efficiency)")
     args = ap.parse_args(argv)
     if args.compare:
         return compare(*args.compare)
@@ -173,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.base_url, specs, args.concurrency, args.timeout, args.api_key,
         session_deps=not args.no_session_deps, progress_label="replay "))
     metrics = pm.compute_metrics(records)
+    efficiency = None if args.no_ideal else add_ideal(args.base_url, specs, records,
+                                                      args.api_key)
     result = {
         "schema": SCHEMA,
         "label": args.label,
@@ -192,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prefix_cache_reset": reset,
         "preflight": preflight,
         "metrics": metrics,
+        "cache_efficiency": efficiency,
         "template_overhead": overhead_stats(records),
         "records": records,
     }

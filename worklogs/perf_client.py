@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from tqdm import tqdm
 
 
 @dataclass
@@ -112,36 +113,28 @@ async def stream_one(client: httpx.AsyncClient, url: str, spec: RequestSpec, ind
 
 
 class Progress:
-    """One-line progress bar on stderr (a line every 10 s when stderr is not a terminal)."""
+    """Progress on stderr through ``tqdm`` (requests done, ok / failed, output tokens per s)."""
 
     def __init__(self, total: int, label: str = "") -> None:
         self.total, self.label = total, label
         self.done = self.ok = self.completion = 0
         self.t0 = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
+        # Not a terminal (CI logs, nohup): a line every 10 s instead of a redrawn bar.
+        self.bar = tqdm(total=total, desc=label.strip() or None, unit="req", file=sys.stderr,
+                        mininterval=0.2 if sys.stderr.isatty() else 10.0, dynamic_ncols=True)
 
     def update(self, rec: dict[str, Any]) -> None:
         self.done += 1
         if rec["status"] == "ok":
             self.ok += 1
             self.completion += rec["completion_tokens"] or 0
-        now = time.perf_counter()
-        if self.done == self.total or (self.tty and now - self.last > 0.2) or now - self.last > 10:
-            self.last = now
-            self.draw(now)
-
-    def draw(self, now: float) -> None:
-        width = 30
-        filled = int(width * self.done / max(1, self.total))
-        el = now - self.t0
-        line = (f"{self.label}[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                f"ok {self.ok} err {self.done - self.ok} | {el:6.1f} s | "
-                f"out {self.completion / el if el > 0 else 0:7.1f} tok/s")
-        print(("\r" if self.tty else "") + line, end="" if self.tty else "\n", file=sys.stderr,
-              flush=True)
-        if self.tty and self.done == self.total:
-            print(file=sys.stderr)
+        el = time.perf_counter() - self.t0
+        self.bar.set_postfix_str(
+            f"ok {self.ok} err {self.done - self.ok} | out "
+            f"{self.completion / el if el > 0 else 0:.1f} tok/s", refresh=False)
+        self.bar.update(1)
+        if self.done == self.total:
+            self.bar.close()
 
 
 async def run_specs(base_url: str, specs: Sequence[RequestSpec], concurrency: int,
@@ -259,3 +252,26 @@ def preflight_spec(model: str, max_tokens: int = 8) -> RequestSpec:
         ],
     }
     return RequestSpec("preflight", body)
+
+
+def tokenize_chat(base_url: str, bodies: Sequence[dict[str, Any]], api_key: str | None = None,
+                  timeout_s: float = 300.0) -> list[list[int] | None]:
+    """The server's own token ids of each chat request: POST /tokenize with its messages and
+    tools and the generation prompt, rendered by the server's chat template. ``None`` where the
+    server refused (the record keeps no ideal then)."""
+    headers = {"Authorization": f"Bearer {api_key or 'EMPTY'}"}
+    out: list[list[int] | None] = []
+    with httpx.Client(timeout=timeout_s) as client:
+        for body in tqdm(bodies, desc="tokenize", unit="req", file=sys.stderr,
+                         mininterval=0.5 if sys.stderr.isatty() else 10.0):
+            req = {"model": body.get("model"), "messages": body["messages"],
+                   "add_generation_prompt": True}
+            for key in ("tools", "chat_template_kwargs"):
+                if body.get(key) is not None:
+                    req[key] = body[key]
+            try:
+                r = client.post(base_url.rstrip("/") + "/tokenize", json=req, headers=headers)
+                out.append(r.json()["tokens"] if r.status_code == 200 else None)
+            except (httpx.HTTPError, ValueError, KeyError):
+                out.append(None)
+    return out

@@ -29,9 +29,11 @@ Definitions (mirroring the platform's evaluator, see /work/shared/PLATFORM.md):
 
 from __future__ import annotations
 
-import math
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 Record = Mapping[str, Any]
 
@@ -46,20 +48,90 @@ GATE_SUCCESS = 0.99
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default, Hyndman-Fan type 7).
+    """Linear interpolation between closest ranks: ``numpy.percentile``'s default ("linear",
+    Hyndman-Fan type 7).
 
     ``q`` is in percent. For sorted x of length n the rank is h = (n - 1) * q / 100 and the
     result x[floor(h)] + (h - floor(h)) * (x[floor(h) + 1] - x[floor(h)]). Empty input -> None.
     """
-    xs = sorted(values)
-    if not xs:
+    xs = np.asarray(list(values), dtype=np.float64)
+    if xs.size == 0:
         return None
     if not 0.0 <= q <= 100.0:
         raise ValueError(f"percentile out of range: {q}")
-    h = (len(xs) - 1) * q / 100.0
-    lo = math.floor(h)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (h - lo) * (xs[hi] - xs[lo])
+    return float(np.percentile(xs, q, method="linear"))
+
+
+def ideal_prefix_tokens(prompts: Sequence[Sequence[int]], unit: int = 64) -> list[int]:
+    """Per prompt, the longest common token prefix with any *earlier* prompt (0 for the first).
+
+    The token-level ideal of a prefix cache that never forgets: what a request could be served
+    from cache at best. Exact: prompts are indexed by chained hashes of ``unit``-token blocks,
+    the deepest matching block is found by walking the chain, and the match is extended token
+    by token against every earlier prompt that shares that block prefix.
+    """
+    index: dict[bytes, list[int]] = {}
+    arrays = [np.asarray(p, dtype=np.int64) for p in prompts]
+    out: list[int] = []
+    for i, p in enumerate(arrays):
+        n_blocks = len(p) // unit
+        chain = [b""] * n_blocks
+        h = b""
+        for b in range(n_blocks):
+            h = hashlib.blake2b(h + p[b * unit : (b + 1) * unit].tobytes(), digest_size=16).digest()
+            chain[b] = h
+        depth = 0
+        while depth < n_blocks and chain[depth] in index:
+            depth += 1
+        candidates = index[chain[depth - 1]] if depth else range(i)
+        best = depth * unit
+        for j in candidates:
+            q = arrays[j]
+            n = min(len(p), len(q))
+            lo = depth * unit
+            diff = np.flatnonzero(p[lo:n] != q[lo:n])
+            best = max(best, lo + (int(diff[0]) if diff.size else n - lo))
+        out.append(best)
+        for b in range(n_blocks):
+            index.setdefault(chain[b], []).append(i)
+    return out
+
+
+def cache_efficiency(records: Sequence[Record]) -> dict[str, Any]:
+    """Cached tokens the server granted against the token-level ideal, in total and per request.
+
+    Uses ``prompt_tokens``, ``cached_tokens`` and ``ideal_tokens`` of records whose status is ok
+    (records without a status count as ok, as the simulator writes them). The efficiency is
+    sum(cached) / sum(ideal): the share of reusable prefix tokens that were served from cache.
+    """
+    ok = [r for r in records if r.get("status", "ok") == "ok" and r.get("ideal_tokens") is not None]
+    prompt = sum(int(r.get("prompt_tokens") or 0) for r in ok)
+    cached = sum(int(r.get("cached_tokens") or 0) for r in ok)
+    ideal = sum(int(r["ideal_tokens"]) for r in ok)
+    per_req = [
+        min(int(r.get("cached_tokens") or 0), int(r["ideal_tokens"])) / int(r["ideal_tokens"])
+        for r in ok
+        if int(r["ideal_tokens"]) > 0
+    ]
+    chunks = [int(r["prefill_chunks"]) for r in ok if r.get("prefill_chunks") is not None]
+    return {
+        "n": len(ok),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "ideal_tokens": ideal,
+        "hit": cached / prompt if prompt else None,
+        "ideal_hit": ideal / prompt if prompt else None,
+        "efficiency": cached / ideal if ideal else None,
+        "efficiency_per_request": {
+            **{f"p{q}": percentile(per_req, q) for q in (10, 50, 90)},
+            "n": len(per_req),
+            "n_below_95pct": sum(1 for e in per_req if e < 0.95),
+        },
+        "cached_over_ideal_requests": sum(
+            1 for r in ok if int(r.get("cached_tokens") or 0) > int(r["ideal_tokens"])
+        ),
+        "prefill_chunks_mean": float(np.mean(chunks)) if chunks else 0.0,
+    }
 
 
 def weighted_score(output_tps: float, input_tps: float, cache_tps: float) -> float:

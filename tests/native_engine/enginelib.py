@@ -50,12 +50,17 @@ def engine_server(
         stop_process_group(proc)
 
 
-def greedy(url: str, ids: list[int], max_tokens: int = 64) -> dict[str, Any]:
-    """Greedy completion of a token-id prompt: tokens, chosen logprobs, usage, wall seconds."""
+def greedy(
+    url: str, ids: list[int], max_tokens: int = 64, cache_salt: str | None = None
+) -> dict[str, Any]:
+    """Greedy completion of a token-id prompt: tokens, chosen logprobs, usage, wall seconds.
+    ``cache_salt`` keeps the request out of other requests' prefix-cache entries."""
     body = {
         "model": "llm", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, "logprobs": 1, "return_token_ids": True,
     }  # fmt: skip
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     t0 = time.perf_counter()
     r = httpx.post(url + "/v1/completions", json=body, timeout=600)
     wall = time.perf_counter() - t0

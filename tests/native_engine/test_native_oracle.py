@@ -58,6 +58,27 @@ def test_prefix_cache_hit_matches_hf(url: str, oracle: dict[str, Any]) -> None:
     _check("prefix_hit (cached)", got, want)
 
 
+def test_checkpoint_cache_hit_is_greedy_identical(url: str, oracle: dict[str, Any]) -> None:
+    """Patch 0007: the next turn resumes from the GDN state the previous prompt's final chunk
+    exported at its last full block (1,280 of 1,400 tokens at block 256, no chunk split), and
+    its greedy output is token-identical to the same request served without any cache hit
+    (a ``cache_salt`` of its own keeps that one cold)."""
+    material = list(reversed(oracle["len2000"]["prompt"]))  # shares no prefix with the others
+    first, turn2 = material[:1400], material[:1900]
+    cold = greedy(url, turn2, cache_salt="cold-checkpoint-test")
+    assert (cold["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+    greedy(url, first, max_tokens=4)
+    warm = greedy(url, turn2)
+    cached = (warm["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert cached == 1280, f"expected a hit at the checkpoint (1,280 tokens): {warm['usage']}"
+    assert warm["tokens"] == cold["tokens"], (warm["tokens"], cold["tokens"])
+    worst = max(abs(a - b) for a, b in zip(warm["logprobs"], cold["logprobs"], strict=True))
+    assert worst < 1e-3, f"max chosen-token logprob difference {worst:.3g}"
+    text = LOG.read_text(errors="replace")
+    used = " ".join(ln for ln in text.splitlines() if "native paths in use" in ln)
+    assert "gdn_prefill_checkpoint" in used, "the native prefill never exported a checkpoint"
+
+
 def test_concurrent_batch_matches_hf(url: str, oracle: dict[str, Any]) -> None:
     names = [f"batch{i}" for i in range(4)]
     results = greedy_many(url, [oracle[n]["prompt"] for n in names])

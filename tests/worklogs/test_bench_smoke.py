@@ -56,6 +56,15 @@ def test_generator_to_bench(server: Any, tmp_path: Path) -> None:
         assert r["prompt_tokens"] > ln["meta"]["counted_tokens"]
     m = result["metrics"]
     assert m["success_rate"] == 1.0 and m["completion_tokens"] == OUT_TOKENS * len(lines)
+    # The token-level ideal comes from the server's own /tokenize: same length as the prompt
+    # the server counted, and the efficiency is recomputable from the records.
+    eff = result["cache_efficiency"]
+    assert eff["n_not_tokenized"] == 0 and eff["n"] == len(lines)
+    for r in recs:
+        assert r["tokenized_prompt_tokens"] == r["prompt_tokens"], r
+        assert 0 <= r["ideal_tokens"] < r["prompt_tokens"]
+    assert recs[0]["ideal_tokens"] == 0
+    assert eff == json.loads(json.dumps({**pm.cache_efficiency(recs), "n_not_tokenized": 0}))
     assert (tmp_path / "result.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -147,3 +147,49 @@ def test_plot(tmp_path: Path) -> None:
     pm.plot_distributions(RECORDS, pm.compute_metrics(RECORDS), str(png), "t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not math.isnan(png.stat().st_size)
+
+
+def _brute_lcp(prompts: list[list[int]]) -> list[int]:
+    out = []
+    for i, p in enumerate(prompts):
+        best = 0
+        for q in prompts[:i]:
+            n = 0
+            while n < min(len(p), len(q)) and p[n] == q[n]:
+                n += 1
+            best = max(best, n)
+        out.append(best)
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=300), min_size=1, max_size=12),
+       st.sampled_from([1, 4, 64]))
+def test_ideal_prefix_is_the_longest_common_prefix_with_any_earlier_prompt(
+        prompts: list[list[int]], unit: int) -> None:
+    # A tiny alphabet makes long shared prefixes (and near-misses inside a hash unit) common.
+    assert pm.ideal_prefix_tokens(prompts, unit=unit) == _brute_lcp(prompts)
+
+
+def test_ideal_prefix_agent_turns() -> None:
+    system = list(range(1000, 1300))
+    s0 = [system + [1, 2, 3], system + [1, 2, 3, 9, 9, 4], system + [5]]
+    assert pm.ideal_prefix_tokens(s0) == [0, 303, 300]
+
+
+def test_cache_efficiency() -> None:
+    recs = [
+        {"status": "ok", "prompt_tokens": 100, "cached_tokens": 0, "ideal_tokens": 0},
+        {"status": "ok", "prompt_tokens": 200, "cached_tokens": 90, "ideal_tokens": 100},
+        {"status": "ok", "prompt_tokens": 300, "cached_tokens": 200, "ideal_tokens": 200},
+        {"status": "http_error", "prompt_tokens": None, "cached_tokens": None,
+         "ideal_tokens": 50},
+    ]
+    e = pm.cache_efficiency(recs)
+    assert (e["n"], e["prompt_tokens"], e["cached_tokens"], e["ideal_tokens"]) == (
+        3, 600, 290, 300)
+    assert e["efficiency"] == pytest.approx(290 / 300)
+    assert e["hit"] == pytest.approx(290 / 600) and e["ideal_hit"] == pytest.approx(0.5)
+    assert e["efficiency_per_request"]["n"] == 2
+    assert e["efficiency_per_request"]["n_below_95pct"] == 1
+    assert e["efficiency_per_request"]["p50"] == pytest.approx(0.95)

@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""End-to-end replay on the tiny model (``make replay``): dataset -> patched server -> bench.
+
+    python worklogs/replay_e2e.py [--preset replay88] [-r N] [--max-tokens 16] [--port 8131]
+        [--out worklogs/results/replay88_tiny-cpu.json] [--label ...] [-- EXTRA_LAUNCHER_ARGS]
+
+1. generates the preset (``generate_official_like_dataset.py``, seed 0) into ``build/replay/``;
+2. starts the server from ``computility-run.yaml`` through the launcher (``--cpu``, tiny
+   model, the YAML's ``--max-model-len`` so the replay's 254K-token prompts fit), logging to
+   ``build/replay/server.log``;
+3. replays the dataset with ``formal_perf_bench.py`` at the YAML's concurrency, short outputs
+   (``--max-tokens``), per-request ideal / cached / efficiency (``/tokenize``);
+4. samples the server's resident memory (the whole process tree) every 5 s, checks
+   ``/health`` afterwards and that the log holds no engine traceback, and adds both to the
+   result JSON (``memory``, ``engine``);
+5. stops the server.
+
+Sizes on the development VM (2 cores, tiny model, ``--max-tokens 16``): ``replay88`` (1/10 scale,
+same distributions) is the default and fits in well under an hour; the full ``replay881`` takes
+hours (see ``worklogs/LEDGER.md`` for measured wall times) -- run it in the background, or a
+prefix of it with ``-r N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "worklogs"))
+
+import formal_perf_bench  # noqa: E402
+import generate_official_like_dataset as gen  # noqa: E402
+
+from vllm_overrides.launcher import DEFAULT_CONFIG, load_run_config  # noqa: E402
+
+
+class MemorySampler(threading.Thread):
+    """RSS of a process and its children, every ``every`` seconds."""
+
+    def __init__(self, pid: int, every: float = 5.0) -> None:
+        super().__init__(daemon=True)
+        self.proc = psutil.Process(pid)
+        self.every = every
+        self.samples: list[tuple[float, int]] = []
+        self.stop_event = threading.Event()
+        self.t0 = time.perf_counter()
+
+    def rss(self) -> int:
+        total = 0
+        for p in [self.proc, *self.proc.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self.samples.append((round(time.perf_counter() - self.t0, 1), self.rss()))
+            except psutil.Error:
+                break
+            self.stop_event.wait(self.every)
+
+    def summary(self, replay_start: float) -> dict[str, object]:
+        during = [(t, m) for t, m in self.samples if t >= replay_start]
+        if not during:
+            return {"n": 0}
+        mib = np.array([m for _, m in during], dtype=np.float64) / 2**20
+        n = len(mib)
+        q = max(1, n // 10)
+        first, last = float(np.median(mib[:q])), float(np.median(mib[-q:]))
+        return {
+            "n": n, "every_s": self.every, "start_mib": round(first, 1),
+            "end_mib": round(last, 1), "max_mib": round(float(mib.max()), 1),
+            "growth_mib": round(last - first, 1),
+            "growth_pct": round(100 * (last - first) / first, 2) if first else None,
+            "samples": during,
+        }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="replay88")
+    ap.add_argument("-r", "--requests", type=int, help="replay only the first N requests")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--port", type=int, default=8131)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--label")
+    ap.add_argument("--startup-timeout", type=float, default=1800.0)
+    ap.add_argument("extra", nargs="*", help="after --: extra launcher arguments")
+    args = ap.parse_args(argv)
+
+    build = REPO / "build" / "replay"
+    build.mkdir(parents=True, exist_ok=True)
+    dataset = build / f"{args.preset}.jsonl"
+    if not dataset.exists():
+        assert gen.main(["--preset", args.preset, "--seed", "0", "--out", str(dataset)]) == 0
+    size = f"-r{args.requests}" if args.requests else ""
+    out = args.out or REPO / "worklogs" / "results" / f"{args.preset}{size}_tiny-cpu.json"
+    concurrency = load_run_config(DEFAULT_CONFIG).concurrency
+
+    log = build / "server.log"
+    cmd = [sys.executable, "-m", "vllm_overrides.launcher", "--cpu", "--model",
+           str(REPO / "build" / "tiny-model"), "--host", "127.0.0.1", "--port", str(args.port),
+           *args.extra]  # fmt: skip
+    print("server:", " ".join(cmd), f"(log {log})", flush=True)
+    with open(log, "w") as logf:
+        server = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
+                                  start_new_session=True)  # fmt: skip
+    base = f"http://127.0.0.1:{args.port}"
+    sampler = MemorySampler(server.pid)
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if server.poll() is not None:
+                print(log.read_text()[-3000:], file=sys.stderr)
+                raise SystemExit(f"server exited with {server.returncode} during start-up")
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > args.startup_timeout:
+                raise SystemExit("server did not become healthy")
+            time.sleep(5)
+        startup_s = time.perf_counter() - t0
+        print(f"server healthy after {startup_s:.0f} s", flush=True)
+        sampler.start()
+        replay_start = time.perf_counter() - sampler.t0
+        bench = ["--base-url", base, "--dataset", str(dataset), "--out", str(out),
+                 "-c", str(concurrency), "--max-tokens", str(args.max_tokens),
+                 "--label", args.label or f"{args.preset}{size} tiny-cpu c={concurrency}"]
+        if args.requests:
+            bench += ["-r", str(args.requests)]
+        t_bench = time.perf_counter()
+        rc = formal_perf_bench.main(bench)
+        bench_wall = time.perf_counter() - t_bench
+        sampler.stop_event.set()
+        sampler.join(10)
+        try:
+            healthy = httpx.get(base + "/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        text = log.read_text(errors="replace")
+        engine = {
+            "healthy_after": healthy,
+            "server_alive": server.poll() is None,
+            "tracebacks_in_log": text.count("Traceback"),
+            "engine_dead_lines": sum("EngineDeadError" in ln for ln in text.splitlines()),
+            "startup_s": round(startup_s, 1),
+            "bench_wall_s": round(bench_wall, 1),
+            "server_command": cmd,
+            "server_env": {k: os.environ[k] for k in ("GDN_NATIVE", "RMSNORM_NATIVE",
+                           "MOE_NATIVE", "NATIVE_KERNELS") if k in os.environ},
+        }  # fmt: skip
+        result = json.loads(out.read_text())
+        result["memory"] = sampler.summary(replay_start)
+        result["engine"] = engine
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        mem = result["memory"]
+        print(f"\nengine: healthy after the replay {healthy}, tracebacks in the log "
+              f"{engine['tracebacks_in_log']}; bench wall {bench_wall:.0f} s")
+        if mem.get("n"):
+            print(f"server RSS (whole tree): start {mem['start_mib']:.0f} MiB, end "
+                  f"{mem['end_mib']:.0f} MiB, max {mem['max_mib']:.0f} MiB "
+                  f"(growth {mem['growth_pct']} %)")
+        return 0 if rc == 0 and healthy and not engine["tracebacks_in_log"] else 1
+    finally:
+        sampler.stop_event.set()
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
