@@ -148,7 +148,11 @@ def test_kv_layout_matches_the_session_server(server: Any) -> None:
     if not (size and block and space and TINY_CONFIG.exists()):
         pytest.skip("not a local CPU server on the tiny model")
     tiny = pf.ModelFacts.load(TINY_CONFIG)
-    layout = pf.kv_layout(tiny, tp=1, kernel_block_alignment=int(block.group(1)))
+    # The session server runs the YAML's env: GDN prefill-checkpoint blocks where it asks.
+    ckpt = pf.gdn_checkpoint_blocks(load_run_config(DEFAULT_CONFIG).env, prefix_caching=True)
+    layout = pf.kv_layout(
+        tiny, tp=1, kernel_block_alignment=int(block.group(1)), checkpoint_blocks=ckpt
+    )
     assert layout.block_size == int(block.group(1))
     blocks = int(float(space.group(1)) * pf.GIB) // layout.bytes_per_block
     max_len = int(size.group(2).replace(",", ""))
