@@ -48,6 +48,20 @@ RUN --mount=type=bind,source=build-inputs/wheelhouse,target=/tmp/build-inputs/wh
     fi; \
     rm -f /tmp/cpu_torchvision.py
 
+# Fused decode kernels: a prebuilt vo_native_kernels wheel in build-inputs/kernels/
+# (scripts/build_kernels_wheel.sh, built against this image's torch) is installed and must
+# import; without one the server runs the PyTorch ops (NATIVE_KERNELS=auto). Kernels are never
+# compiled in the image build (that sank earlier submissions). A layer and folder of their own,
+# so a new wheel does not redo the layer above.
+RUN --mount=type=bind,source=build-inputs/kernels,target=/tmp/build-inputs/kernels \
+    set -eu; \
+    if ls /tmp/build-inputs/kernels/vo_native_kernels-*.whl >/dev/null 2>&1; then \
+      pip install --no-deps /tmp/build-inputs/kernels/vo_native_kernels-*.whl; \
+      python3 -c "import torch, vo_native_kernels; torch.ops.vo_kernels.gdn_decode; print('vo_native_kernels installed')"; \
+    else \
+      echo "no build-inputs/kernels/vo_native_kernels-*.whl: the PyTorch ops serve"; \
+    fi
+
 COPY patch_ops.sh computility-run.yaml chat_template_multi_system.jinja /workspace/
 COPY patches/ /workspace/patches/
 COPY vllm_overrides/ /workspace/vllm_overrides/

@@ -94,6 +94,15 @@ if [ ${#wheels[@]} -eq 0 ]; then
   say "WARNING: no wheels in $WHEEL_DIR: pip will look for $TORCH_PACKAGE on PyPI"
 fi
 
+# The kernels wheel's CPU test build (same sources and packaging; the image's torch is the
+# venv's), so the Dockerfile's install-and-import step runs; a device wheel placed there by
+# someone stays and is used instead.
+rm -f build-inputs/kernels/vo_native_kernels-*+cpuemu-*.whl
+if ! ls build-inputs/kernels/vo_native_kernels-*.whl >/dev/null 2>&1; then
+  VO_KERNELS_CPU_EMULATION=1 PYTHON=$PY bash scripts/build_kernels_wheel.sh "$OUT/kernels" >/dev/null
+  for whl in "$OUT"/kernels/vo_native_kernels-*.whl; do stage "$whl" build-inputs/kernels; done
+fi
+
 build_args=(--build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "VLLM_PACKAGE=$VLLM_PACKAGE"
             --build-arg "TORCH_PACKAGE=$TORCH_PACKAGE")
 # The build-failure tests rebuild with exactly these arguments, so that the layer cache hits.
