@@ -25,7 +25,9 @@ Selection (``NATIVE_KERNELS``, read at import; :func:`set_backend` for tools and
 * ``auto`` (default): the extension when it loads and the tensors are on a CUDA-like device,
   else the PyTorch ops (one log line says which);
 * ``cuda``: the extension or an error;
-* ``torch``: always the PyTorch ops (:mod:`.gdn`, :mod:`.moe`, :mod:`.rmsnorm`).
+* ``torch``: always the PyTorch ops (:mod:`.gdn`, :mod:`.moe`, :mod:`.rmsnorm`);
+* ``emulate`` (tests only): CPU tensors take the fused kernels' own source run on host threads
+  (:func:`enable_cpu_emulation`), so a CPU server exercises the engine's calls into them.
 
 The extension comes from the prebuilt wheel (``scripts/build_kernels_wheel.sh``; the image
 installs it from ``build-inputs/wheelhouse/``) or, for development, from a JIT build of
@@ -51,7 +53,7 @@ logger = logging.getLogger("vllm.vllm_overrides.native")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "native_kernels.cu", CSRC / "module.cpp"]
 EXT_NAME = "vo_native_kernels"
-BACKENDS = ("auto", "cuda", "torch")
+BACKENDS = ("auto", "cuda", "torch", "emulate")
 
 _mode = os.environ.get("NATIVE_KERNELS", "auto").strip().lower() or "auto"
 _loaded: bool | None = None  # None: not tried yet
@@ -140,6 +142,9 @@ def use_cuda(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve a call on ``x``'s device under the current backend."""
     if _mode == "torch":
         return False
+    if _mode == "emulate" and not _emulated:
+        enable_cpu_emulation()
+        _log_once("ext", "NATIVE_KERNELS=emulate: fused kernels on host threads (tests only)")
     if _emulated and x.device.type == "cpu":
         return True
     if x.device.type != "cuda":

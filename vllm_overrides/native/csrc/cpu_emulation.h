@@ -66,7 +66,6 @@ struct Barrier {
 
 struct Launch {
   std::vector<ucontext_t> ctx;
-  std::vector<std::unique_ptr<char[]>> stacks;
   std::vector<char> done;
   ucontext_t main;
   int cur = 0;
@@ -111,7 +110,8 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
   Launch l;
   l.ctx.resize(n);
   l.done.assign(n, 0);
-  for (int t = 0; t < n; ++t) l.stacks.emplace_back(new char[kStack]);
+  static std::vector<std::unique_ptr<char[]>> pool;  // fiber stacks, kept across launches
+  while (pool.size() < static_cast<size_t>(n)) pool.emplace_back(new char[kStack]);
   l.block.n = n;
   l.warps.assign(n / warpSize, Barrier{warpSize});
   l.slots[0].assign(n, 0);
@@ -129,7 +129,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
         blockIdx = dim3(x, y, z);
         for (int t = 0; t < n; ++t) {
           getcontext(&l.ctx[t]);
-          l.ctx[t].uc_stack.ss_sp = l.stacks[t].get();
+          l.ctx[t].uc_stack.ss_sp = pool[t].get();
           l.ctx[t].uc_stack.ss_size = kStack;
           l.ctx[t].uc_link = nullptr;
           makecontext(&l.ctx[t], trampoline, 0);
