@@ -340,6 +340,17 @@ def copy_gbps(dev: torch.device, smoke: bool) -> float:
     return 2 * nbytes(src) / (ms * 1e-3) / 1e9
 
 
+# Top-level operators that launch no device kernel (views, metadata, allocation).
+NO_KERNEL_OPS = {
+    f"aten::{n}"
+    for n in (
+        "view as_strided slice select narrow transpose t permute unsqueeze squeeze expand "
+        "split split_with_sizes chunk unbind detach alias reshape _reshape_alias view_as "
+        "flatten unflatten empty empty_like empty_strided movedim numpy_T lift_fresh"
+    ).split()
+}
+
+
 def count_launches(fn: Callable[[], Any], dev: torch.device) -> dict[str, int]:
     """GPU: CUDA kernels and memcpy/memset of one call (torch.profiler). CPU (smoke): top-level
     operators, views included, as a stand-in."""
@@ -355,7 +366,10 @@ def count_launches(fn: Callable[[], Any], dev: torch.device) -> dict[str, int]:
         sync(dev)
     if not cuda:
         ops = [e for e in prof.events() if e.cpu_parent is None and "::" in e.name]
-        return {"launches": len(ops), "copies": 0}
+        work = [e for e in ops if e.name not in NO_KERNEL_OPS]
+        # "launches": every top-level operator; "compute_ops": those that would launch work on
+        # a device (views and allocations left out) -- the CPU stand-in for kernel launches.
+        return {"launches": len(ops), "copies": 0, "compute_ops": len(work)}
     dev_ev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     copies = sum(1 for e in dev_ev if e.name.startswith(("Memcpy", "Memset")))
     return {"launches": len(dev_ev), "copies": copies}
@@ -386,7 +400,9 @@ def run_variant(
     del saved
     kn.set_backend("cuda" if variant != "torch" and kn.extension_loaded() else "torch")
     m.fla = fla if variant == "fla" else None
-    res: dict[str, Any] = {"backend": kn.backend_for(m.x) if dev.type == "cuda" else "torch"}
+    res: dict[str, Any] = {"backend": kn.backend_for(m.x)}
+    if kn._emulated and res["backend"] == "cuda":
+        res["backend"] = "cuda (CPU emulation)"
     logits = m.step().float()
     res["logits_finite"] = bool(torch.isfinite(logits).all())
     res["logits_rel_err_vs_torch"] = float((logits - ref).norm() / ref.norm())
@@ -397,13 +413,19 @@ def run_variant(
     res["eager_ms_reps"] = reps
     res["tokens_per_s_eager"] = B * 1e3 / res["eager_ms"]
     step = count_launches(m.step, dev)
-    layers = {k: count_launches(fn, dev)["launches"] for k, fn in m.parts().items()}
+    parts = {k: count_launches(fn, dev) for k, fn in m.parts().items()}
     res["launches"] = {
         "step": step["launches"],
         "memcpy_memset": step["copies"],
         "per_layer_avg": step["launches"] / m.s.layers,
-        **layers,
+        **{k: c["launches"] for k, c in parts.items()},
     }
+    if "compute_ops" in step:  # CPU: the stand-in for kernel launches (views left out)
+        res["compute_ops"] = {
+            "step": step["compute_ops"],
+            "per_layer_avg": step["compute_ops"] / m.s.layers,
+            **{k: c["compute_ops"] for k, c in parts.items()},
+        }
     try:
         res["graph_ms"] = Timer(dev, smoke=False).graph([m.step], 200.0)
         res["tokens_per_s_graph"] = B * 1e3 / res["graph_ms"]
@@ -422,6 +444,8 @@ def run_variant(
 def skip_reason(variant: str, dev: torch.device, fla_error: str) -> str | None:
     if variant == "torch":
         return None
+    if variant == "cuda" and kn._emulated and dev.type == "cpu":
+        return None  # --emulate: the fused kernels' source on host threads (op counts only)
     if dev.type != "cuda":
         return "needs a CUDA device (CPU run)"
     if variant == "cuda" and not kn.extension_loaded():
@@ -530,6 +554,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT"), help="result folder ($OUT)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument(
+        "--emulate",
+        action="store_true",
+        help="with --smoke: run the cuda variant on the CPU emulation of the fused kernels "
+        "(counts operators per step and layer; its times mean nothing)",
+    )
     ap.add_argument("--batches", default=None, help="comma list (default 1,8,32; smoke 1,2)")
     ap.add_argument("--contexts", default=None, help="comma list (default 4096,32768; smoke 64)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="subset of torch,cuda,fla")
@@ -544,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         torch.set_num_threads(1)
+        if args.emulate:
+            kn.enable_cpu_emulation()
         args.warmup = min(args.warmup, 1)
     args.steps = args.steps or (2 if args.smoke else 20)
     batches = [int(b) for b in (args.batches or ("1,2" if args.smoke else "1,8,32")).split(",")]

@@ -126,6 +126,13 @@ def test_rms_norm_gated_strided_gate(kdev: str, dtype: torch.dtype, activation: 
 # ------------------------------------------------------------------------------------------
 
 
+def _padded(t: torch.Tensor, pad: int = 96) -> torch.Tensor:
+    """``t`` copied into slots with ``pad`` unused elements after each (contiguous within)."""
+    buf = torch.full((t.shape[0], t[0].numel() + pad), float("nan"), device=t.device)
+    buf[:, : t[0].numel()] = t.reshape(t.shape[0], -1)
+    return buf[:, : t[0].numel()].view(t.shape)
+
+
 def _gdn_inputs(
     B: int, dtype: torch.dtype, slots: list[int], n_slots: int, dev: str = "cuda"
 ) -> dict:
@@ -139,7 +146,8 @@ def _gdn_inputs(
         "conv_b": (torch.randn(D, device=dev) * 0.1).to(dtype),
         "A_log": torch.log(torch.empty(HV, device=dev).uniform_(0.05, 16.0)),
         "dt_bias": torch.randn(HV, device=dev),
-        "ssm": torch.randn(n_slots, HV, V, K, device=dev) * 0.2,
+        # vLLM pads each mamba page to the attention page size: slots are not back to back.
+        "ssm": _padded(torch.randn(n_slots, HV, V, K, device=dev) * 0.2),
         "slots": torch.tensor(slots, device=dev, dtype=torch.int32),
     }  # fmt: skip
 
@@ -166,7 +174,8 @@ def test_gdn_decode_vs_reference_and_torch(kdev: str, dtype: torch.dtype, B: int
     live = [i for i, s in enumerate(perm) if s > 0]
     live_slots = [perm[i] for i in live]
     dead_slots = sorted(set(range(n_slots)) - set(live_slots))
-    states = {name: (inp["conv_sd"].clone(), inp["ssm"].clone()) for name in ("cuda", "torch")}
+    states = {name: (inp["conv_sd"].clone(), _padded(inp["ssm"])) for name in ("cuda", "torch")}
+    assert not states["cuda"][1].is_contiguous()
     ref_conv = inp["conv_sd"][live_slots].transpose(-1, -2).double().cpu()
     ref_ssm = inp["ssm"][live_slots].double()
     for _step in range(3):  # state carry across steps

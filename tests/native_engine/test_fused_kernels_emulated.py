@@ -54,4 +54,7 @@ def test_fused_kernels_served_the_engine(url: str, oracle: dict[str, Any]) -> No
     used = " ".join(ln for ln in text.splitlines() if "native paths in use" in ln)
     for key in ("gdn_core", "rms_norm_gated", "gemma_rms_norm", "moe_decode_native"):
         assert key in used, f"{key} not reported as used: {used}"
+    # ... and each of them ran on the fused kernels, not their PyTorch fallbacks.
+    for op in ("gdn_decode", "rms_norm_gated", "gemma_rms_norm", "moe_route", "moe_decode"):
+        assert f"fused_{op}" in used, f"{op} did not run on the fused kernels: {used}"
     assert "Traceback" not in text

@@ -66,3 +66,23 @@ def test_decode_step_bench_smoke(tmp_path: Path) -> None:
     table = (tmp_path / "decode_step_bench.txt").read_text()
     assert table.splitlines()[0].startswith("decode step")
     assert all(v in table for v in VARIANTS) and "all-reduce left out" in table
+
+
+def test_decode_step_bench_emulated_fused_ops(tmp_path: Path) -> None:
+    """--emulate: the fused variant runs on the CPU emulation of the kernels; it must agree with
+    the PyTorch ops and take far fewer operators per layer (the launch-count stand-in)."""
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--emulate", "--variants", "torch,cuda",
+         "--batches", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    cases = {
+        c["variant"]: c
+        for c in json.loads((tmp_path / "decode_step_bench.json").read_text())["cases"]
+    }
+    fused, ref = cases["cuda"], cases["torch"]
+    assert fused["backend"] == "cuda (CPU emulation)", fused.get("traceback", fused)
+    assert fused["logits_finite"] and fused["logits_rel_err_vs_torch"] < 0.1  # bf16 step
+    for part in ("gdn_layer", "moe_block"):
+        assert 0 < fused["compute_ops"][part] < ref["compute_ops"][part] / 3, (fused, ref)

@@ -100,10 +100,11 @@ def _info_once(key: str, msg: str, *args: Any) -> None:
 
 def report_usage() -> None:
     """Log the set of native paths used so far, whenever it grows (eager contexts only)."""
-    new = set(USAGE) - _reported
+    used = set(USAGE) | {f"fused_{op}" for op in kernels.FUSED_USED}
+    new = used - _reported
     if new:
         _reported.update(new)
-        logger.info("vllm_overrides native paths in use (pid %d): %s", os.getpid(), sorted(USAGE))
+        logger.info("vllm_overrides native paths in use (pid %d): %s", os.getpid(), sorted(used))
 
 
 def _range(name: str) -> contextlib.AbstractContextManager[Any]:

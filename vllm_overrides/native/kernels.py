@@ -61,12 +61,19 @@ _emulated = False  # tests: the kernels built for host threads serve CPU tensors
 _emulation_built = False
 _load_error = ""
 _logged: set[str] = set()
+# Ops that ran on the fused kernels in this process (the engine logs them with its paths).
+FUSED_USED: set[str] = set()
 
 
 def _log_once(key: str, msg: str, *args: Any) -> None:
     if key not in _logged:
         _logged.add(key)
         logger.info(msg, *args)
+
+
+def _used(op: str) -> None:
+    if not torch.compiler.is_compiling():  # a side effect tracing need not replay
+        FUSED_USED.add(op)
 
 
 def set_backend(name: str) -> None:
@@ -176,6 +183,7 @@ def gemma_rms_norm(
     """:func:`.rmsnorm.gemma_rms_norm`, or with ``residual`` the fused add
     (:func:`.rmsnorm.gemma_fused_add_rms_norm`, returns ``(out, new_residual)``)."""
     if use_cuda(x) and x.shape[-1] == weight.numel():
+        _used("gemma_rms_norm")
         if residual is None:
             return torch.ops.vo_kernels.gemma_rms_norm(x, weight, eps)
         out, res = torch.ops.vo_kernels.gemma_fused_add_rms_norm(x, residual, weight, eps)
@@ -190,6 +198,7 @@ def rms_norm_gated(
 ) -> torch.Tensor:
     """:func:`.rmsnorm.rms_norm_gated` (norm over the last dim, ``silu`` or ``sigmoid`` gate)."""
     if use_cuda(x) and activation in ("silu", "swish", "sigmoid") and x.shape == z.shape:
+        _used("rms_norm_gated")
         return torch.ops.vo_kernels.rms_norm_gated(x, z, weight, eps, activation == "sigmoid")
     return rmsnorm.rms_norm_gated(x, z, weight, eps, activation)
 
@@ -229,7 +238,7 @@ def gdn_decode(
         use_cuda(mixed_qkv)
         and (silu or activation in (None, False))
         and ssm_state.dtype == torch.float32
-        and ssm_state.is_contiguous()
+        and _rows_contiguous(ssm_state)
         and conv_state.dtype == mixed_qkv.dtype
         and a.dtype == b.dtype == mixed_qkv.dtype
         and a.stride(-1) == 1
@@ -241,6 +250,7 @@ def gdn_decode(
         and out.stride(-2) == out.shape[-1]
     )
     if ok:
+        _used("gdn_decode")
         torch.ops.vo_kernels.gdn_decode(
             mixed_qkv, a, b, conv_state, conv_weight.contiguous(), conv_bias,
             A_log.float(), dt_bias.float(), ssm_state, out, slots.to(torch.int32),
@@ -254,11 +264,18 @@ def gdn_decode(
     )  # fmt: skip
 
 
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Contiguous within a slot (``[HV, V, K]``); the slot stride may be anything (vLLM pads
+    mamba pages to the attention page size)."""
+    return t[0].is_contiguous() if t.shape[0] > 0 else True
+
+
 def moe_route(
     logits: torch.Tensor, top_k: int, renormalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`.moe.route`: ``(weights [T, k] float32, ids [T, k] int64)``, same tie order."""
     if use_cuda(logits) and logits.shape[-1] <= 1024 and top_k <= logits.shape[-1]:
+        _used("moe_route")
         w, ids = torch.ops.vo_kernels.moe_route(logits, top_k, renormalize)
         return w, ids
     return moe.route(logits, top_k, renormalize)
@@ -284,6 +301,7 @@ def moe_decode(
         ``[T, H]`` in ``x.dtype`` (this rank's partial sum, before the all-reduce).
     """
     if use_cuda(x) and _moe_decode_fits(x, w13, w2, shared):
+        _used("moe_decode" if shared is None else "moe_decode_with_shared")
         sh_w13 = sh_w2 = sh_gate = None
         if shared is not None:
             sh_w13, sh_w2, sh_gate = shared

@@ -572,8 +572,10 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
                 const at::Tensor& slots, int64_t num_k_heads, double scale, bool silu) {
   TORCH_CHECK(VO_ON_DEVICE(qkv) && VO_ON_DEVICE(ssm_state), "gdn_decode: CUDA tensors expected");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "gdn_decode: qkv [B, D], unit stride");
-  TORCH_CHECK(ssm_state.scalar_type() == at::kFloat && ssm_state.is_contiguous(),
-              "gdn_decode: float32 contiguous ssm_state");
+  TORCH_CHECK(ssm_state.scalar_type() == at::kFloat && ssm_state.dim() == 4 &&
+                  ssm_state.stride(3) == 1 && ssm_state.stride(2) == ssm_state.size(3) &&
+                  ssm_state.stride(1) == ssm_state.size(2) * ssm_state.size(3),
+              "gdn_decode: float32 ssm_state [slots, HV, V, K], contiguous within a slot");
   TORCH_CHECK(conv_state.scalar_type() == qkv.scalar_type() &&
                   out.scalar_type() == qkv.scalar_type(),
               "gdn_decode: conv_state/out dtype must match qkv");
