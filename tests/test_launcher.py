@@ -50,6 +50,8 @@ def test_launch_profile_needs_no_triton(config) -> None:
     upstream runs on Triton kernels (GDN, MoE) on our native paths."""
     args = parse_with_vllm(server_args(config.command), validate=False)
     assert args.enforce_eager is True
+    # MRoPE: upstream's CUDA forward is a Triton kernel; the custom op off means forward_native.
+    assert "-rotary_embedding" in args.compilation_config.custom_ops
     assert config.env["GDN_NATIVE"] == "1" and config.env["MOE_NATIVE"] == "1"
     assert config.env["NATIVE_KERNELS"] in ("auto", "cuda")
 
@@ -125,3 +127,19 @@ def test_cpu_runs_one_process_unless_told(config) -> None:
     assert get_flag(argv, "--tensor-parallel-size") == "1"
     argv, _ = build_launch(config, base_env={})
     assert get_flag(argv, "-tp") == "4"  # the platform's value when not on CPU
+
+
+def test_mrope_runs_its_pytorch_forward_under_the_yaml(config) -> None:
+    """Eager vLLM enables every custom op, and MRoPE's CUDA forward is a Triton kernel: the
+    YAML's compilation config must switch that op off (forward_native), and does."""
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.compilation import CompilationMode
+    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
+
+    with set_current_vllm_config(
+        VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.NONE))
+    ):
+        assert MRotaryEmbedding.enabled()  # what the flag is there for
+    args = parse_with_vllm(server_args(config.command), validate=False)
+    with set_current_vllm_config(VllmConfig(compilation_config=args.compilation_config)):
+        assert not MRotaryEmbedding.enabled()
