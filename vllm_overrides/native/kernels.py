@@ -266,8 +266,14 @@ def gdn_decode(
 
 def _rows_contiguous(t: torch.Tensor) -> bool:
     """Contiguous within a slot (``[HV, V, K]``); the slot stride may be anything (vLLM pads
-    mamba pages to the attention page size)."""
-    return t[0].is_contiguous() if t.shape[0] > 0 else True
+    mamba pages to the attention page size) that keeps the rows' 16-byte vector loads aligned."""
+    if t.shape[0] == 0:
+        return True
+    return (
+        t[0].is_contiguous()
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * t.element_size()) % 16 == 0
+    )
 
 
 def moe_route(

@@ -576,6 +576,9 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
                   ssm_state.stride(3) == 1 && ssm_state.stride(2) == ssm_state.size(3) &&
                   ssm_state.stride(1) == ssm_state.size(2) * ssm_state.size(3),
               "gdn_decode: float32 ssm_state [slots, HV, V, K], contiguous within a slot");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(ssm_state.data_ptr()) % 16 == 0 &&
+                  (ssm_state.stride(0) * 4) % 16 == 0,
+              "gdn_decode: ssm_state rows must allow 16-byte loads");
   TORCH_CHECK(conv_state.scalar_type() == qkv.scalar_type() &&
                   out.scalar_type() == qkv.scalar_type(),
               "gdn_decode: conv_state/out dtype must match qkv");
