@@ -288,14 +288,19 @@ def build_scheduler(sim: SimConfig, concurrency: int) -> tuple[Any, dict[str, An
     return scheduler, info
 
 
-def simulate(sim: SimConfig, reqs: Sequence[dict], ideal: Sequence[int]) -> dict[str, Any]:
+def simulate(
+    sim: SimConfig,
+    reqs: Sequence[dict],
+    ideal: Sequence[int],
+    built: tuple[Any, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
-    scheduler, info = build_scheduler(sim, sim.concurrency)
+    scheduler, info = built or build_scheduler(sim, sim.concurrency)
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(info["hash_block_size"], hash_fn)

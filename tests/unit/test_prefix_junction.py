@@ -73,3 +73,48 @@ def test_end_token_of_the_real_tokenizer() -> None:
     want = AutoTokenizer.from_pretrained(str(model)).convert_tokens_to_ids("<|im_end|>")
     assert pj._end_token_id(sched) == want > 0
     assert sched._vo_im_end_id == want
+
+
+def test_split_aligns_to_the_kv_block_size_not_a_stale_config() -> None:
+    """Patch 0009: in the multiprocess engine the scheduler's cache_config.block_size still holds
+    the platform default (128 on CPU) while the KV groups use 256; chunk ends must follow the
+    KV block size or the GDN states written there are never cached."""
+    sched = SimpleNamespace(cache_config=SimpleNamespace(block_size=128), block_size=256)
+    assert pj.split_block_size(sched) == 256
+    sched.cache_config.block_size = 256
+    assert pj.split_block_size(sched) == 256
+
+
+@pytest.mark.slow
+def test_vllm_scheduler_splits_at_kv_blocks_and_keeps_the_system_state() -> None:
+    """vLLM's own scheduler (patched), a stale cache_config.block_size of 128 and KV groups of
+    256 as in the server's engine core: the first request's chunks end on 256-token blocks and
+    stop at the system block's end, and the second request (same system block) is served from
+    the state kept there."""
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    repo = Path(__file__).resolve().parents[2]
+    if not (repo / "build" / "tiny-model" / "config.json").exists():
+        pytest.skip("tiny model not built (make model)")
+    sys.path.insert(0, str(repo / "worklogs"))
+    import cache_sim
+
+    sim = cache_sim.SimConfig(8192, 1.0, None, True, 0, 1, 2, "tiny-cpu")
+    scheduler, info = cache_sim.build_scheduler(sim, 1)
+    scheduler.cache_config.block_size = 128  # what the engine core process holds
+    rng = np.random.default_rng(0)
+    end = 248046  # <|im_end|> of the real tokenizer (test_end_token_of_the_real_tokenizer)
+    scheduler._vo_im_end_id = end
+    system = [int(x) for x in rng.integers(1000, 100000, 3000)] + [end]
+    reqs = [
+        {"id": f"r{i}", "meta": {"session_id": f"s{i}"},
+         "ids": np.array(system + [int(x) for x in rng.integers(1000, 100000, 2000)])}
+        for i in range(2)
+    ]  # fmt: skip
+    out = cache_sim.simulate(sim, reqs, [0, 3001], built=(scheduler, info))
+    cached = [r["cached_tokens"] for r in out["records"]]
+    # 3,001 tokens of system block -> the state at 2,816 (11 blocks of 256) serves request 2.
+    assert cached == [0, 2816], out["records"]
