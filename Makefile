@@ -24,6 +24,7 @@ $(VENV)/.installed: requirements-dev.txt
 deploy: $(VENV)/.installed
 	PYTHON=$(PY) bash patch_ops.sh apply
 	$(PY) vllm_overrides/cpu_torchvision.py install
+	PYTHON=$(PY) bash patch_ops.sh verify
 
 $(MODEL)/config.json: tests/tiny_model.py $(VENV)/.installed
 	$(PY) tests/tiny_model.py --out $(MODEL)

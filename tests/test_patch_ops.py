@@ -110,3 +110,29 @@ def test_unexpected_vllm_version_is_refused(tmp_path: Path) -> None:
         assert "refusing to patch vLLM 0.31.1" in out.stderr
         assert "0.32.0" in out.stderr
     assert not (tmp_path / "vllm_overrides").exists()
+
+
+def test_patches_to_one_file_apply_on_top_of_each_other(tmp_path: Path) -> None:
+    """Two patches to one file, onto a pristine copy: both land (the second used to be computed
+    from the untouched file and overwrote the first -- 0003 vanished behind 0007 in a fresh venv,
+    with every server test failing)."""
+    import difflib
+
+    from vllm_overrides import patching
+
+    site, pdir = tmp_path / "site", tmp_path / "patches"
+    (site / "vllm").mkdir(parents=True)
+    pdir.mkdir()
+    (site / "vllm" / "_version.py").write_text('__version__ = "0.32.0"\n')
+    base = [f"line {i}\n" for i in range(40)]
+    (site / "vllm" / "x.py").write_text("".join(base))
+    first = base[:5] + ["first patch\n"] + base[5:]
+    second = first[:31] + ["second patch\n"] + first[31:]
+    for name, a, b in (("0001-a.patch", base, first), ("0002-b.patch", first, second)):
+        diff = difflib.unified_diff(a, b, "a/vllm/x.py", "b/vllm/x.py", n=3)
+        (pdir / name).write_text("".join(diff))
+    patching.apply(site, pdir)
+    assert (site / "vllm" / "x.py").read_text() == "".join(second)
+    again = patching.apply(site, pdir)
+    assert all("already applied" in line for line in again[:2])
+    assert (site / "vllm" / "x.py").read_text() == "".join(second)

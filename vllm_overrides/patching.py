@@ -100,7 +100,10 @@ def patch_state(site: Path, fp: FilePatch) -> str:
     target = site / fp.path
     if not target.exists():
         return "conflict"
-    lines = target.read_text(encoding="utf-8").splitlines(keepends=True)
+    return _lines_state(target.read_text(encoding="utf-8").splitlines(keepends=True), fp)
+
+
+def _lines_state(lines: list[str], fp: FilePatch) -> str:
     if _apply_hunks(lines, fp.hunks, reverse=True) is not None:
         return "applied"
     if _apply_hunks(lines, fp.hunks, reverse=False) is not None:
@@ -154,23 +157,30 @@ def apply(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
     """Apply every patch (all checked before any is written), install overlay, write manifest."""
     check_version(site)
     log: list[str] = []
-    pending: list[tuple[Path, list[str]]] = []
+    # Each file's text as the patches so far leave it: several patches may touch one file, and
+    # each must apply on top of the ones before it (in memory; nothing is written until all do).
+    current: dict[Path, list[str]] = {}
+    changed: set[Path] = set()
     for name, files in load_patches(patch_dir):
         for fp in files:
-            state = patch_state(site, fp)
+            target = site / fp.path
+            if target not in current:
+                if not target.exists():
+                    raise PatchError(f"{name}: {fp.path} does not exist")
+                current[target] = target.read_text(encoding="utf-8").splitlines(keepends=True)
+            state = _lines_state(current[target], fp)
             if state == "conflict":
                 raise PatchError(f"{name}: does not apply to {fp.path} (context differs)")
             if state == "applied":
                 log.append(f"{name}: {fp.path} already applied")
                 continue
-            target = site / fp.path
-            lines = target.read_text(encoding="utf-8").splitlines(keepends=True)
-            patched = _apply_hunks(lines, fp.hunks, reverse=False)
+            patched = _apply_hunks(current[target], fp.hunks, reverse=False)
             assert patched is not None
-            pending.append((target, patched))
+            current[target] = patched
+            changed.add(target)
             log.append(f"{name}: {fp.path} applied")
-    for target, patched in pending:
-        target.write_text("".join(patched), encoding="utf-8")
+    for target in sorted(changed):
+        target.write_text("".join(current[target]), encoding="utf-8")
     dest = site / "vllm_overrides"
     if dest.resolve() != PACKAGE_DIR:
         shutil.rmtree(dest, ignore_errors=True)
@@ -244,10 +254,13 @@ def _import_problems(site: Path, manifest: dict) -> list[str]:
     Every overlay module, not only the package: several are imported lazily (api_compat inside
     build_app), and one that raises on import would pass verify and kill the server at start.
     """
+    # Package modules only: a folder without __init__.py (native/csrc, the kernels' sources and
+    # their wheel's setup.py) holds no module the server imports.
     overlay = [
         rel[: -len(".py")].removesuffix("/__init__").replace("/", ".")
         for rel in manifest["files"]
         if rel.startswith("vllm_overrides/")
+        and (site / rel).parent.joinpath("__init__.py").exists()
     ]
     patched = [p[: -len(".py")].replace("/", ".") for p in manifest["patched_files"]]
     modules = sorted(set(overlay)) + patched
