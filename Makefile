@@ -66,10 +66,13 @@ load: setup
 # End-to-end replay on the tiny model (issue 13): generate the preset, start the server from
 # computility-run.yaml (launcher --cpu), replay at the YAML's concurrency with 16-token outputs,
 # report hit / ideal / efficiency per request, memory and engine health (worklogs/replay_e2e.py).
-# Default size replay88 (1/10 of replay881, same distributions): under an hour on 2 cores;
-# REPLAY_PRESET=replay881 is the full replay (hours), REPLAY_REQUESTS=N a prefix of it.
+# Default size: the first 34 requests of replay88 (1/10 of replay881, same distributions; 34
+# sessions' worth of 0.5-69K-token prompts, cross-session and own-session reuse), well under an
+# hour on 2 cores (worklogs/LEDGER.md). Request 35 is a cold 250K-token prompt: the whole of
+# replay88 (REPLAY_REQUESTS=) took over an hour on the shared 2-core VM, replay881
+# (REPLAY_PRESET=replay881) hours.
 REPLAY_PRESET ?= replay88
-REPLAY_REQUESTS ?=
+REPLAY_REQUESTS ?= 34
 replay: setup
 	$(PY) worklogs/replay_e2e.py --preset $(REPLAY_PRESET) $(if $(REPLAY_REQUESTS),-r $(REPLAY_REQUESTS))
 

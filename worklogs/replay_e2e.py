@@ -15,10 +15,10 @@
    result JSON (``memory``, ``engine``);
 5. stops the server.
 
-Sizes on the development VM (2 cores, tiny model, ``--max-tokens 16``): ``replay88`` (1/10 scale,
-same distributions) is the default and fits in well under an hour; the full ``replay881`` takes
-hours (see ``worklogs/LEDGER.md`` for measured wall times) -- run it in the background, or a
-prefix of it with ``-r N``.
+Sizes on the development VM (2 cores, tiny model, ``--max-tokens 16``): ``make replay`` runs the
+first 34 requests of ``replay88`` (1/10 scale, same distributions), well under an hour; request
+35 is a cold 250K-token prompt, and all of ``replay88`` took over an hour on the shared VM, the
+full ``replay881`` hours (``worklogs/LEDGER.md``) -- run those in the background.
 """
 
 from __future__ import annotations
