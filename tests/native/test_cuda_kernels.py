@@ -24,6 +24,7 @@ from native_util import rel_err
 from vllm_overrides.native import gdn, kernels, moe
 from vllm_overrides.native import gdn_reference as gref
 from vllm_overrides.native import moe_reference as mref
+from vllm_overrides.native import qk_norm_rope_reference as qref
 from vllm_overrides.native import rmsnorm_reference as rref
 
 CUDA = torch.cuda.is_available()
@@ -31,6 +32,11 @@ gpu = pytest.mark.skipif(
     not CUDA,
     reason="GPU-only: the fused CUDA kernels run on the device (scripts/gpu_kernel_tests.sh); "
     "CPU CI covers the PyTorch path and the backend selection",
+)
+# One process holds one build of the ``vo_kernels`` library: where the CUDA build serves the GPU,
+# the emulated build cannot be loaded beside it (the emulated cases are CPU CI's).
+emu = pytest.mark.skipif(
+    CUDA, reason="emulation cases run in CPU CI; on a GPU the CUDA build of vo_kernels is loaded"
 )
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 DTYPES = [torch.float16, torch.bfloat16]
@@ -55,8 +61,8 @@ def cases(gpu_sizes: list, emu_sizes: list) -> list:
     """(device, size) pairs: every GPU size, the emulation's sizes with 64-lane warps, and the
     first emulation size again with 32-lane warps."""
     out = [pytest.param("cuda", s, marks=gpu, id=f"cuda-{s}") for s in gpu_sizes]
-    out += [pytest.param("emu64", s, id=f"emu64-{s}") for s in emu_sizes]
-    return out + [pytest.param("emu32", emu_sizes[0], id=f"emu32-{emu_sizes[0]}")]
+    out += [pytest.param("emu64", s, marks=emu, id=f"emu64-{s}") for s in emu_sizes]
+    return out + [pytest.param("emu32", emu_sizes[0], marks=emu, id=f"emu32-{emu_sizes[0]}")]
 
 
 def _both(fn, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202 - small test helper
@@ -273,7 +279,9 @@ def test_moe_decode_vs_reference_and_torch(
     _check(r["cuda"][0].cpu(), r["torch"][0].cpu(), ref, dtype)
 
 
-@pytest.mark.parametrize("kdev", ["emu64", pytest.param("cuda", marks=gpu)], indirect=True)
+@pytest.mark.parametrize(
+    "kdev", [pytest.param("emu64", marks=emu), pytest.param("cuda", marks=gpu)], indirect=True
+)
 def test_moe_decode_small_model_shapes(kdev: str) -> None:
     """The tiny test model's sizes (H 128, I 64, 8 experts top-2) in float32."""
     E, H, I, k, T = 8, 128, 64, 2, 3  # noqa: E741
@@ -283,6 +291,54 @@ def test_moe_decode_small_model_shapes(kdev: str) -> None:
     out = kernels.moe_decode(x, w, ids, w13, w2)
     ref = mref.moe_experts_reference(x.cpu(), w.cpu(), ids.cpu(), w13.cpu(), w2.cpu())
     assert rel_err(out.cpu(), ref) <= TOL[torch.float32]
+
+
+# ------------------------------------------------------------------------------------------
+# Gated attention: q/k norm + RoPE + gate
+# ------------------------------------------------------------------------------------------
+
+
+def _qk_inputs(T: int, nq: int, nkv: int, D: int, rot: int, mrope: bool, dtype, dev: str) -> dict:  # noqa: ANN001
+    # q_gate and k as upstream slices them out of the qkv projection (row stride = qkv width).
+    qkv = torch.randn(T, 2 * nq * D + 2 * nkv * D, device=dev).to(dtype)
+    q_gate, k, _ = qkv.split([2 * nq * D, nkv * D, nkv * D], dim=-1)
+    inv = 1.0 / 1e4 ** (torch.arange(0, rot, 2, device=dev).float() / rot)
+    f = torch.arange(4096, device=dev).float()[:, None] * inv
+    half = rot // 2
+    sec = [half - 2 * (half // 3), half // 3, half // 3]  # sums to rot / 2, like [11, 11, 10]
+    return {
+        "q_gate": q_gate, "k": k,
+        "q_weight": (torch.randn(D, device=dev) * 0.1).to(dtype),
+        "k_weight": (torch.randn(D, device=dev) * 0.1).to(dtype),
+        "cos_sin_cache": torch.cat([f.cos(), f.sin()], -1).to(dtype),
+        "positions": torch.randint(0, 4096, (3, T) if mrope else (T,), device=dev),
+        "eps": 1e-6, "num_q_heads": nq, "num_kv_heads": nkv, "head_dim": D, "rotary_dim": rot,
+        "mrope_section": sec if mrope else None,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
+@pytest.mark.parametrize("mrope", [False, True])
+@pytest.mark.parametrize(
+    "kdev,size",
+    # (T, nq, nkv, head_dim, rotary_dim): Qwen3.6 at TP4 (4 q heads, 1 kv head, 256, 64)
+    cases([(1, 4, 1, 256, 64), (37, 4, 1, 256, 64), (300, 8, 2, 128, 128)], [(3, 2, 1, 64, 16)]),
+    indirect=["kdev"],
+)
+def test_qk_norm_rope_gate_vs_reference_and_torch(
+    kdev: str, dtype: torch.dtype, mrope: bool, size: tuple[int, ...]
+) -> None:
+    T, nq, nkv, D, rot = size
+    kw = _qk_inputs(T, nq, nkv, D, rot, mrope, dtype, kdev)
+    r = _both(kernels.qk_norm_rope_gate, **kw)
+    ref = qref.qk_norm_rope_gate_reference(**kw)
+    fused, torch_path = r["cuda"][0], r["torch"][0]
+    assert kernels.backend_for(kw["q_gate"]) == "cuda"
+    for i, name in enumerate(("q", "k", "gate")):
+        assert fused[i].shape == torch_path[i].shape == ref[i].shape, name
+        assert fused[i].is_contiguous() and fused[i].dtype == dtype, name
+        _check(fused[i].cpu(), torch_path[i].cpu(), ref[i], dtype)
+    assert torch.equal(fused[2], torch_path[2])  # the gate is copied verbatim
 
 
 # ------------------------------------------------------------------------------------------

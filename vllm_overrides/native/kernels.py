@@ -18,6 +18,8 @@ op                     what one call does                                      l
                        gate/up GEMV + SiLU-and-mul, down GEMV + weighted sum;
                        the sigmoid-gated shared expert rides along as one more
                        "expert"
+``qk_norm_rope_gate``  gated attention's q/k ``(1 + w)`` RMSNorm + partial     1
+                       NeoX RoPE (plain or interleaved MRoPE) + gate copy
 =====================  ======================================================  ==========
 
 Selection (``NATIVE_KERNELS``, read at import; :func:`set_backend` for tools and tests):
@@ -25,7 +27,8 @@ Selection (``NATIVE_KERNELS``, read at import; :func:`set_backend` for tools and
 * ``auto`` (default): the extension when it loads and the tensors are on a CUDA-like device,
   else the PyTorch ops (one log line says which);
 * ``cuda``: the extension or an error;
-* ``torch``: always the PyTorch ops (:mod:`.gdn`, :mod:`.moe`, :mod:`.rmsnorm`);
+* ``torch``: always the PyTorch ops (:mod:`.gdn`, :mod:`.moe`, :mod:`.rmsnorm`,
+  :mod:`.qk_norm_rope`);
 * ``emulate`` (tests only): CPU tensors take the fused kernels' own source run on host threads
   (:func:`enable_cpu_emulation`), so a CPU server exercises the engine's calls into them.
 
@@ -41,12 +44,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import gdn, moe, rmsnorm
+from . import gdn, moe, qk_norm_rope, rmsnorm
 
 logger = logging.getLogger("vllm.vllm_overrides.native")
 
@@ -102,6 +106,11 @@ def enable_cpu_emulation(warp_size: int = 64) -> None:
     """Tests only: build ``csrc/`` for host threads (``csrc/cpu_emulation.h``) and route CPU
     tensors through the very same kernels and wrappers, with ``warp_size``-lane warps."""
     global _loaded, _emulated, _emulation_built
+    if not _emulation_built and _loaded:
+        # Both builds register torch.ops.vo_kernels; loading a second one aborts the process.
+        raise RuntimeError(
+            "the CUDA build of vo_kernels is loaded; emulation needs a process of its own"
+        )
     if not _emulation_built:
         from torch.utils.cpp_extension import load
 
@@ -340,6 +349,46 @@ def _moe_decode_fits(
     )
 
 
+def qk_norm_rope_gate(
+    q_gate: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    mrope_section: Sequence[int] | None = None,
+    norm_beta: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`.qk_norm_rope.qk_norm_rope_gate`: ``(q, k, gate)``, one launch where it runs."""
+    ok = (
+        use_cuda(q_gate)
+        and q_gate.dim() == 2
+        and k.dim() == 2
+        and q_gate.stride(-1) == 1
+        and k.stride(-1) == 1
+        and k.dtype == q_gate.dtype
+        and cos_sin_cache.stride(-1) == 1
+        and (positions.dim() == 1 or mrope_section is not None)
+    )
+    if ok:
+        _used("qk_norm_rope_gate")
+        sec_h, sec_w = (mrope_section[1], mrope_section[2]) if positions.dim() == 2 else (0, 0)
+        q, kk, gate = torch.ops.vo_kernels.qk_norm_rope_gate(
+            q_gate, k, q_weight, k_weight, cos_sin_cache, positions, eps, num_q_heads,
+            num_kv_heads, head_dim, rotary_dim, sec_h, sec_w, norm_beta,
+        )  # fmt: skip
+        return q, kk, gate
+    return qk_norm_rope.qk_norm_rope_gate(
+        q_gate, k, q_weight, k_weight, cos_sin_cache, positions, eps, num_q_heads,
+        num_kv_heads, head_dim, rotary_dim, mrope_section, norm_beta,
+    )  # fmt: skip
+
+
 # Fake (meta) implementations: shapes only, for tracing and torch.compile.
 def _register_fakes() -> None:
     lib = "vo_kernels::"
@@ -371,3 +420,8 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "moe_decode")
     def _(x: torch.Tensor, *args: Any) -> torch.Tensor:
         return torch.empty_like(x)
+
+    @torch.library.register_fake(lib + "qk_norm_rope_gate")
+    def _(q_gate: torch.Tensor, k: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        T, qw = q_gate.shape[0], q_gate.shape[1] // 2
+        return q_gate.new_empty(T, qw), k.new_empty(k.shape), q_gate.new_empty(T, qw)

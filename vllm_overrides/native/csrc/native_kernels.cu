@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #ifdef VO_CPU_EMULATION
 // Test build only: the CUDA execution model on host threads (cpu_emulation.h), so CPU CI runs
@@ -30,7 +31,7 @@
 #define VO_DYN_SMEM(type, name) extern __shared__ type name[]
 #define VO_LAUNCH(kernel, grid, block, smem, ...)                                 \
   do {                                                                           \
-    kernel<<<grid, block, smem, c10::cuda::getCurrentCUDAStream()>>>(__VA_ARGS__); \                                              \
+    kernel<<<grid, block, smem, c10::cuda::getCurrentCUDAStream()>>>(__VA_ARGS__); \
   } while (0)
 #endif
 
@@ -492,6 +493,60 @@ __global__ void moe_down_kernel(const float* __restrict__ act, int act_stride,
 }
 
 // ------------------------------------------------------------------------------------------
+// Gated attention: split + q/k (beta + w) RMSNorm + partial NeoX RoPE (plain or interleaved
+// MRoPE) + gate copy, one launch for every head of every token (block per (token, head)).
+// The norm output is rounded to T before the rotation, as the unfused path stores it.
+// ------------------------------------------------------------------------------------------
+
+template <typename T, typename C>
+__global__ void qk_norm_rope_gate_kernel(
+    const T* __restrict__ q_gate, int64_t s_qg, const T* __restrict__ k, int64_t s_k,
+    const T* __restrict__ q_w, const T* __restrict__ k_w, const C* __restrict__ cache,
+    int64_t s_cache, const int64_t* __restrict__ pos, int64_t s_pos_m, int64_t s_pos_t,
+    int nq, int D, int rot, int sec_h, int sec_w, float eps, float beta,
+    T* __restrict__ q_out, T* __restrict__ k_out, T* __restrict__ gate_out) {
+  VO_DYN_SMEM(float, row);  // D floats
+  __shared__ float red[kMaxWarps];
+  const int64_t t = blockIdx.x;
+  const int head = blockIdx.y;
+  const bool is_k = head >= nq;
+  const int h = is_k ? head - nq : head;
+  const T* in = is_k ? k + t * s_k + (int64_t)h * D : q_gate + t * s_qg + (int64_t)h * 2 * D;
+  const T* w = is_k ? k_w : q_w;
+  const int nkv = static_cast<int>(gridDim.y) - nq;
+  T* out = is_k ? k_out + (t * nkv + h) * D : q_out + (t * nq + h) * D;
+  float ss[1] = {0.f};
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = to_f(in[i]);
+    row[i] = v;
+    ss[0] += v * v;
+  }
+  block_sum<1>(ss, red);  // its barriers also order the row writes before the reads below
+  const float inv = rsqrtf(ss[0] / D + eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    row[i] = to_f(static_cast<T>(row[i] * inv * (to_f(w[i]) + beta)));
+  __syncthreads();
+  const int half = rot / 2;
+  const int64_t p_t = pos[t * s_pos_t];
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float o = row[i];
+    if (i < rot) {
+      const int j = i < half ? i : i - half;
+      int64_t p = p_t;
+      if (j % 3 == 1 && j < 3 * sec_h) p = pos[s_pos_m + t * s_pos_t];
+      else if (j % 3 == 2 && j < 3 * sec_w) p = pos[2 * s_pos_m + t * s_pos_t];
+      const float c = to_f(cache[p * s_cache + j]), sn = to_f(cache[p * s_cache + half + j]);
+      o = i < half ? row[i] * c - row[i + half] * sn : row[i] * c + row[i - half] * sn;
+    }
+    out[i] = static_cast<T>(o);
+  }
+  if (!is_k) {
+    T* g = gate_out + (t * nq + h) * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) g[i] = in[D + i];
+  }
+}
+
+// ------------------------------------------------------------------------------------------
 // Host wrappers
 // ------------------------------------------------------------------------------------------
 
@@ -505,7 +560,7 @@ at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double 
   const int64_t rows = xc.numel() / H;
   if (rows == 0) return out;
   VO_DISPATCH_FLOATS(x.scalar_type(), "gemma_rms_norm", [&] {
-    VO_LAUNCH(gemma_rms_norm_kernel<scalar_t>, rows, kBlock, H * sizeof(float), 
+    VO_LAUNCH(gemma_rms_norm_kernel<scalar_t>, rows, kBlock, H * sizeof(float),
         xc.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
         nullptr, H, static_cast<float>(eps));
   });
@@ -528,7 +583,7 @@ std::tuple<at::Tensor, at::Tensor> gemma_fused_add_rms_norm(const at::Tensor& x,
   const int64_t rows = xc.numel() / H;
   if (rows == 0) return {out, res};
   VO_DISPATCH_FLOATS(x.scalar_type(), "gemma_fused_add_rms_norm", [&] {
-    VO_LAUNCH(gemma_rms_norm_kernel<scalar_t>, rows, kBlock, H * sizeof(float), 
+    VO_LAUNCH(gemma_rms_norm_kernel<scalar_t>, rows, kBlock, H * sizeof(float),
         xc.data_ptr<scalar_t>(), rc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
         out.data_ptr<scalar_t>(), res.data_ptr<scalar_t>(), H, static_cast<float>(eps));
   });
@@ -557,7 +612,7 @@ at::Tensor rms_norm_gated(const at::Tensor& x, const at::Tensor& z, const at::Te
   if (n == 0) return out;
   const int threads = V <= 128 ? 128 : kBlock;
   VO_DISPATCH_FLOATS(x.scalar_type(), "rms_norm_gated", [&] {
-    VO_LAUNCH(rms_norm_gated_kernel<scalar_t>, n, threads, V * sizeof(float), 
+    VO_LAUNCH(rms_norm_gated_kernel<scalar_t>, n, threads, V * sizeof(float),
         x3.data_ptr<scalar_t>(), z3.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
         out.data_ptr<scalar_t>(), x3.size(1), V, x3.stride(0), x3.stride(1), z3.stride(0),
         z3.stride(1), static_cast<float>(eps), sigmoid_gate);
@@ -607,7 +662,7 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
       TORCH_CHECK(conv_bias->scalar_type() == qkv.scalar_type() && conv_bias->is_contiguous(),
                   "gdn_decode: conv_bias dtype");
     TORCH_CHECK(conv_weight.scalar_type() == qkv.scalar_type(), "gdn_decode: conv_weight dtype");
-    VO_LAUNCH(gdn_decode_kernel<scalar_t>, grid, kBlock, smem, 
+    VO_LAUNCH(gdn_decode_kernel<scalar_t>, grid, kBlock, smem,
         qkv.data_ptr<scalar_t>(), qkv.stride(0), a.data_ptr<scalar_t>(), a.stride(0),
         b.data_ptr<scalar_t>(), b.stride(0), conv_state.data_ptr<scalar_t>(),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
@@ -629,7 +684,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t t
   auto ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
   if (T == 0) return {w, ids};
   VO_DISPATCH_FLOATS(logits.scalar_type(), "moe_route", [&] {
-    VO_LAUNCH(moe_route_kernel<scalar_t>, T, kBlock, 2 * E * sizeof(float), 
+    VO_LAUNCH(moe_route_kernel<scalar_t>, T, kBlock, 2 * E * sizeof(float),
         logits.data_ptr<scalar_t>(), logits.stride(0), E, top_k, renormalize,
         w.data_ptr<float>(), ids.data_ptr<int64_t>());
   });
@@ -667,19 +722,73 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& topk_w, const at::T
   VO_DISPATCH_FLOATS(x.scalar_type(), "moe_decode", [&] {
     using T_ = scalar_t;
     dim3 g1((act_stride + kRowsUp - 1) / kRowsUp, P);
-    VO_LAUNCH(moe_up_kernel<T_>, g1, kBlock, 0, 
+    VO_LAUNCH(moe_up_kernel<T_>, g1, kBlock, 0,
         x.data_ptr<T_>(), H, ids.data_ptr<int64_t>(), T, k, w13.data_ptr<T_>(), I,
         has_sh ? sh_w13->data_ptr<T_>() : nullptr, Is,
         has_gate ? sh_gate->data_ptr<T_>() : nullptr, act.data_ptr<float>(),
         sig.data_ptr<float>(), act_stride);
     dim3 g2((H + kRowsDown - 1) / kRowsDown, T);
     const size_t smem = (k + (has_sh ? 1 : 0)) * act_stride * sizeof(float);
-    VO_LAUNCH(moe_down_kernel<T_>, g2, kBlock, smem, 
+    VO_LAUNCH(moe_down_kernel<T_>, g2, kBlock, smem,
         act.data_ptr<float>(), act_stride, tw.data_ptr<float>(), ids.data_ptr<int64_t>(), T, k,
         w2.data_ptr<T_>(), I, has_sh ? sh_w2->data_ptr<T_>() : nullptr, Is,
         has_gate ? sig.data_ptr<float>() : nullptr, H, out.data_ptr<T_>());
   });
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_gate(
+    const at::Tensor& q_gate, const at::Tensor& k, const at::Tensor& q_weight,
+    const at::Tensor& k_weight, const at::Tensor& cos_sin_cache, const at::Tensor& positions,
+    double eps, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
+    int64_t mrope_h, int64_t mrope_w, double norm_beta) {
+  TORCH_CHECK(VO_ON_DEVICE(q_gate) && VO_ON_DEVICE(k) && VO_ON_DEVICE(cos_sin_cache),
+              "qk_norm_rope_gate: CUDA tensors expected");
+  TORCH_CHECK(q_gate.dim() == 2 && k.dim() == 2 && q_gate.stride(1) == 1 && k.stride(1) == 1 &&
+                  q_gate.scalar_type() == k.scalar_type(),
+              "qk_norm_rope_gate: q_gate [T, 2*nq*D], k [T, nkv*D], unit last stride, one dtype");
+  const int64_t T = q_gate.size(0);
+  const int nq = num_q_heads, nkv = num_kv_heads, D = head_dim, rot = rotary_dim;
+  TORCH_CHECK(q_gate.size(1) == 2 * nq * D && k.size(1) == nkv * D && k.size(0) == T,
+              "qk_norm_rope_gate: widths");
+  TORCH_CHECK(rot > 0 && rot % 2 == 0 && rot <= D && cos_sin_cache.dim() == 2 &&
+                  cos_sin_cache.size(1) >= rot && cos_sin_cache.stride(1) == 1,
+              "qk_norm_rope_gate: rotary_dim even, <= head_dim, cache [P, rotary_dim]");
+  TORCH_CHECK(positions.dim() == 1 || (positions.dim() == 2 && positions.size(0) == 3),
+              "qk_norm_rope_gate: positions [T] or [3, T]");
+  TORCH_CHECK(positions.size(-1) == T, "qk_norm_rope_gate: positions length");
+  TORCH_CHECK(positions.dim() == 2 || (mrope_h == 0 && mrope_w == 0),
+              "qk_norm_rope_gate: MRoPE sections need [3, T] positions");
+  VO_DEVICE_GUARD(q_gate);
+  auto pos = positions.to(at::kLong);
+  auto qw = q_weight.to(q_gate.scalar_type()).contiguous();
+  auto kw = k_weight.to(q_gate.scalar_type()).contiguous();
+  auto cache = cos_sin_cache;
+  if (cache.scalar_type() != at::kFloat && cache.scalar_type() != q_gate.scalar_type())
+    cache = cache.to(at::kFloat);
+  auto q_out = at::empty({T, nq * D}, q_gate.options());
+  auto k_out = at::empty({T, nkv * D}, q_gate.options());
+  auto gate_out = at::empty({T, nq * D}, q_gate.options());
+  if (T == 0) return {q_out, k_out, gate_out};
+  const int64_t s_pos_m = pos.dim() == 2 ? pos.stride(0) : 0, s_pos_t = pos.stride(-1);
+  const int threads = D <= 128 ? 64 : 128;
+  dim3 grid(T, nq + nkv);
+  VO_DISPATCH_FLOATS(q_gate.scalar_type(), "qk_norm_rope_gate", [&] {
+    using T_ = scalar_t;
+    auto launch = [&](auto* cache_ptr) {
+      using C_ = std::remove_const_t<std::remove_pointer_t<decltype(cache_ptr)>>;
+      auto kfn = qk_norm_rope_gate_kernel<T_, C_>;
+      VO_LAUNCH(kfn, grid, threads, D * sizeof(float),
+          q_gate.data_ptr<T_>(), q_gate.stride(0), k.data_ptr<T_>(), k.stride(0),
+          qw.data_ptr<T_>(), kw.data_ptr<T_>(), cache_ptr, cache.stride(0),
+          pos.data_ptr<int64_t>(), s_pos_m, s_pos_t, nq, D, rot, static_cast<int>(mrope_h),
+          static_cast<int>(mrope_w), static_cast<float>(eps), static_cast<float>(norm_beta),
+          q_out.data_ptr<T_>(), k_out.data_ptr<T_>(), gate_out.data_ptr<T_>());
+    };
+    if (cache.scalar_type() == at::kFloat) launch(cache.data_ptr<float>());
+    else launch(cache.data_ptr<T_>());
+  });
+  return {q_out, k_out, gate_out};
 }
 
 }  // namespace
@@ -695,6 +804,10 @@ TORCH_LIBRARY(vo_kernels, m) {
   m.def("moe_route(Tensor logits, int top_k, bool renormalize) -> (Tensor, Tensor)");
   m.def("moe_decode(Tensor x, Tensor topk_w, Tensor topk_ids, Tensor w13, Tensor w2,"
         " Tensor? sh_w13, Tensor? sh_w2, Tensor? sh_gate) -> Tensor");
+  m.def("qk_norm_rope_gate(Tensor q_gate, Tensor k, Tensor q_weight, Tensor k_weight,"
+        " Tensor cos_sin_cache, Tensor positions, float eps, int num_q_heads, int num_kv_heads,"
+        " int head_dim, int rotary_dim, int mrope_h, int mrope_w, float norm_beta)"
+        " -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(vo_kernels, VO_DISPATCH_KEY, m) {
@@ -704,4 +817,5 @@ TORCH_LIBRARY_IMPL(vo_kernels, VO_DISPATCH_KEY, m) {
   m.impl("gdn_decode", &gdn_decode);
   m.impl("moe_route", &moe_route);
   m.impl("moe_decode", &moe_decode);
+  m.impl("qk_norm_rope_gate", &qk_norm_rope_gate);
 }
