@@ -19,10 +19,10 @@ Stand-ins (the same in every variant): attention over the KV cache is torch SDPA
 contiguous per-sequence cache ``[B, kv_heads, context, 256]`` (the new token's k/v written in
 place at position context-1 with ``index_copy_``; the 4 q heads of the one kv head go in as 4
 query rows, which is exact GQA for one new token) instead of vLLM's paged attention kernel;
-rotary is plain PyTorch on the 64 rotary dims (a ``cos_sin_cache`` row lookup per layer, as
-vLLM's rotary op does). Left out: the embedding lookup, sampling, and every collective -- on one
-GPU there is no all-reduce; a TP4 step has 2 per layer + 1 for the LM head (81), counted in the
-output.
+the q/k norms, the RoPE on the 64 rotary dims and the gate split are the serving code's
+``kernels.qk_norm_rope_gate`` (patch 0010; PyTorch ops in the torch variant). Left out: the
+embedding lookup, sampling, and every collective -- on one GPU there is no all-reduce; a TP4
+step has 2 per layer + 1 for the LM head (81), counted in the output.
 
 Per case (batch x context x variant): ms per step eager (wall time of N steps / N, CUDA sync
 around) and under CUDA-graph replay (one captured step; the reason when capture fails), kernel
@@ -70,7 +70,8 @@ NOTES = [
     "one TP4 rank, one GPU: all-reduce left out (2 per layer + 1 LM-head all-gather per step)",
     "attention: torch SDPA over a contiguous [B, kv, ctx, D] cache, new k/v written with "
     "index_copy_ at ctx-1 (stands in for vLLM's paged attention)",
-    "rotary: plain PyTorch on the rotary dims; embedding lookup and sampling left out",
+    "q/k norm + RoPE + gate split: kernels.qk_norm_rope_gate (as served, patch 0010); "
+    "embedding lookup and sampling left out",
     "ms/step = each sequence's ms/token; tokens/s = B * 1000 / ms",
     "floor: weight bytes (routed experts: expected distinct experts under uniform routing) "
     "+ GDN state read/write + KV read, over the measured copy GB/s (read+write bytes)",
@@ -200,22 +201,18 @@ class DecodeStep:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half, rot = self.s.rotary // 2, self.s.rotary
-        x1, x2 = x[..., :half], x[..., half:rot]
-        c, sn = cos[:, None], sin[:, None]
-        return torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn, x[..., rot:]], dim=-1)
-
     def attention(self, i: int, h: torch.Tensor) -> torch.Tensor:
         s, lw, B = self.s, self.layers[i], h.shape[0]
         nh, nkv, D = s.q_heads, s.kv_heads, s.head_dim
         qkv = F.linear(h, lw["qkv"])
         q_gate, k, v = qkv.split([2 * nh * D, nkv * D, nkv * D], dim=-1)
-        q, gate = q_gate.view(B, nh, 2 * D).chunk(2, dim=-1)  # q and gate interleaved per head
-        q = kn.gemma_rms_norm(q.reshape(B, nh, D), lw["q_norm"], s.eps)
-        k = kn.gemma_rms_norm(k.reshape(B, nkv, D), lw["k_norm"], s.eps)
-        cos, sin = self.cos_sin.index_select(0, self.positions).chunk(2, dim=-1)
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        # q and gate interleaved per head; (1 + w) norms, partial NeoX RoPE, the gate split:
+        # the serving code's op (patch 0010), one launch on the fused kernels.
+        q, k, gate = kn.qk_norm_rope_gate(
+            q_gate, k, lw["q_norm"], lw["k_norm"], self.cos_sin, self.positions, s.eps,
+            nh, nkv, D, s.rotary,
+        )  # fmt: skip
+        q = q.view(B, nh, D)
         kc, vc = self.kv[i]
         kc.index_copy_(2, self.pos_idx, k.view(B, nkv, 1, D))
         vc.index_copy_(2, self.pos_idx, v.reshape(B, nkv, 1, D))
@@ -372,7 +369,15 @@ def count_launches(fn: Callable[[], Any], dev: torch.device) -> dict[str, int]:
         return {"launches": len(ops), "copies": 0, "compute_ops": len(work)}
     dev_ev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     copies = sum(1 for e in dev_ev if e.name.startswith(("Memcpy", "Memset")))
-    return {"launches": len(dev_ev), "copies": copies}
+    # Device busy time by kernel (what the GPU does, apart from waiting for the host).
+    by_name: dict[str, float] = {}
+    for e in dev_ev:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "launches": len(dev_ev), "copies": copies, "device_us": sum(by_name.values()),
+        "top_kernels_us": {k[:90]: round(v, 1) for k, v in top},
+    }  # fmt: skip
 
 
 def load_fla() -> tuple[Callable[..., Any] | None, str]:
@@ -420,6 +425,9 @@ def run_variant(
         "per_layer_avg": step["launches"] / m.s.layers,
         **{k: c["launches"] for k, c in parts.items()},
     }
+    if "device_us" in step:  # GPU busy time of one eager step, and where it goes
+        res["device_ms"] = step["device_us"] / 1e3
+        res["top_kernels_us"] = step["top_kernels_us"]
     if "compute_ops" in step:  # CPU: the stand-in for kernel launches (views left out)
         res["compute_ops"] = {
             "step": step["compute_ops"],
@@ -516,7 +524,7 @@ def render(results: dict[str, Any]) -> str:
         f"copy bandwidth {_f(results.get('copy_GBps'), '.0f')} GB/s; all-reduce left out: "
         f"{m['allreduce_left_out_per_step']} per step",
     ]
-    cols = ["B", "ctx", "variant", "eager ms", "graph ms", "e/g", "tok/s", "launch/step",
+    cols = ["B", "ctx", "variant", "eager ms", "dev ms", "graph ms", "e/g", "tok/s", "launch/step",
             "/layer", "gdn L", "attn L", "moe", "head", "floor ms", "e/floor",
             "err vs torch"]  # fmt: skip
     rows = [cols]
@@ -527,7 +535,8 @@ def render(results: dict[str, Any]) -> str:
             continue
         n = c["launches"]
         rows.append(lead + [
-            _f(c["eager_ms"], ".3f"), _f(c["graph_ms"], ".3f"), _f(c.get("eager_over_graph")),
+            _f(c["eager_ms"], ".3f"), _f(c.get("device_ms"), ".3f"), _f(c["graph_ms"], ".3f"),
+            _f(c.get("eager_over_graph")),
             _f(c["tokens_per_s_eager"], ".1f"), str(n["step"]), _f(n["per_layer_avg"], ".1f"),
             str(n["gdn_layer"]), str(n["attn_layer"]), str(n["moe_block"]), str(n["head"]),
             _f(c["floor_ms"], ".3f"), _f(c["eager_over_floor"], ".1f"),
@@ -538,7 +547,9 @@ def render(results: dict[str, Any]) -> str:
     lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=False)) for r in rows]
     errs = [f"graph {c['batch']}/{c['context']}/{c['variant']}: {c['graph_error']}"
             for c in results["cases"] if c.get("graph_error")]  # fmt: skip
-    return "\n".join(head + lines + errs + [f"note: {n}" for n in m["notes"]]) + "\n"
+    notes = [f"note: {n}" for n in m["notes"]]
+    notes.append("note: dev ms = GPU busy time of one eager step (torch.profiler kernel time)")
+    return "\n".join(head + lines + errs + notes) + "\n"
 
 
 def progress(items: list[Any]) -> Iterable[Any]:

@@ -18,6 +18,10 @@ else lives here. The switches are read once, at import, from the environment:
 ``MOE_DECODE_NATIVE=1``   MoE decode through the sort-by-expert path instead of gather + bmm.
                           Alone (``MOE_NATIVE=0``) it switches decode only; prefill stays upstream.
 ``RMSNORM_NATIVE=1``      ``GemmaRMSNorm`` (Qwen3.5 ``(1 + w)`` norms, plain and fused-add).
+``QK_NORM_ROPE_NATIVE=1`` Gated attention's q/k norm + RoPE + gate split through
+                          :func:`.kernels.qk_norm_rope_gate` (one launch where the extension
+                          runs). Upstream's fused version of it is a Triton kernel that a CUDA
+                          platform selects by default.
 ``PROF_TRACE=1``          ``torch.profiler.record_function`` ranges around the native MoE / GDN
                           sections (visible in any torch-profiler trace).
 ``PROF_MOE_SUMMARY=N``    MoE timing summary per process: prefill and decode buckets with the
@@ -75,6 +79,7 @@ GDN_NATIVE = _flag("GDN_NATIVE")
 MOE_NATIVE = _flag("MOE_NATIVE")
 MOE_DECODE_NATIVE = _flag("MOE_DECODE_NATIVE")
 RMSNORM_NATIVE = _flag("RMSNORM_NATIVE")
+QK_NORM_ROPE_NATIVE = _flag("QK_NORM_ROPE_NATIVE")
 PROF_TRACE = _flag("PROF_TRACE")
 PROF_MOE_SUMMARY = _int("PROF_MOE_SUMMARY")
 MOE_SUMMARY_EVERY = 1000 if PROF_MOE_SUMMARY == 1 else PROF_MOE_SUMMARY
@@ -122,6 +127,59 @@ def gemma_rms_norm(
     """``GemmaRMSNorm.forward_native`` through :mod:`.rmsnorm` (traceable)."""
     _mark("gemma_rms_norm")
     return kernels.gemma_rms_norm(x, layer.weight, layer.variance_epsilon, residual)
+
+
+# --------------------------------------------------------------------------------------------
+# Gated attention's q/k prep (patch 0010: Qwen3NextAttention)
+# --------------------------------------------------------------------------------------------
+
+
+def register_attention(layer: Any) -> None:
+    """End of ``Qwen3NextAttention.__init__``: with ``QK_NORM_ROPE_NATIVE``, never upstream's
+    Triton ``fused_qk_rmsnorm_rope_gate``; our op where its contract holds (output gate, NeoX
+    rotation, plain or interleaved MRoPE), else upstream's unfused split + norms + RoPE."""
+    layer._vo_qk_norm_rope = False
+    if not QK_NORM_ROPE_NATIVE:
+        return
+    rope = layer.rotary_emb
+    sec = getattr(rope, "mrope_section", None)
+    ok = (
+        layer.attn_output_gate
+        and getattr(rope, "is_neox_style", False)
+        and isinstance(getattr(rope, "cos_sin_cache", None), torch.Tensor)
+        and (
+            sec is None
+            or (
+                len(sec) == 3
+                and getattr(rope, "mrope_interleaved", False)
+                and sum(sec) == rope.rotary_dim // 2
+            )
+        )
+    )
+    layer.use_fused_qk_norm_rope_gate = False
+    layer._vo_qk_norm_rope = bool(ok)
+    if not ok:
+        _info_once(
+            "qk-upstream", "QK_NORM_ROPE_NATIVE: this rotary layout takes upstream's unfused path"
+        )
+
+
+def qk_norm_rope_gate(
+    layer: Any, qkv: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Qwen3NextAttention._project_qkv_gate``: ``(q, k, v, gate)`` after norm and RoPE."""
+    _mark("qk_norm_rope_gate")
+    q_gate, k, v = qkv.split([layer.q_size * 2, layer.kv_size, layer.kv_size], dim=-1)
+    rope = layer.rotary_emb
+    sec = getattr(rope, "mrope_section", None)
+    if positions.dim() == 2 and not sec:
+        positions = positions[0]
+    q, k, gate = kernels.qk_norm_rope_gate(
+        q_gate, k, layer.q_norm.weight, layer.k_norm.weight, rope.cos_sin_cache, positions,
+        layer.q_norm.variance_epsilon, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+        rope.rotary_dim, sec if positions.dim() == 2 else None, 1.0,
+    )  # fmt: skip
+    return q, k, v, gate
 
 
 # --------------------------------------------------------------------------------------------
