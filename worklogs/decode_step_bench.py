@@ -512,6 +512,38 @@ def meta(args: argparse.Namespace, s: Shapes, dev: torch.device) -> dict[str, An
     return m
 
 
+def host_profile(m: DecodeStep, n: int, case: tuple[int, int]) -> dict[str, Any]:
+    """cProfile of ``n`` eager steps: Python-level time per step by function (the host side of
+    an eager step, which decides its speed where launches are cheap for the GPU)."""
+    import cProfile
+    import io
+    import pstats
+
+    sync(m.dev)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        m.step()
+    prof.disable()
+    sync(m.dev)
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(30)
+    rows = []
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        rows.append({
+            "function": f"{Path(file).name}:{line}({fn})", "calls_per_step": nc / n,
+            "self_us_per_step": tt / n * 1e6, "cum_us_per_step": ct / n * 1e6,
+        })  # fmt: skip
+    rows.sort(key=lambda r: -r["self_us_per_step"])
+    total = sum(r["self_us_per_step"] for r in rows)
+    head = (
+        f"host profile, batch {case[0]}, context {case[1]}, {n} steps: {total / 1e3:.2f} ms/step\n"
+    )
+    return {"case": list(case), "steps": n, "total_ms_per_step": total / 1e3, "top": rows[:40],
+            "text": head + buf.getvalue()}  # fmt: skip
+
+
 def _f(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -579,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no case after this")
     ap.add_argument("--commit", default="", help="commit (default: git rev-parse HEAD)")
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        help="N: cProfile N eager steps of the first cuda case (where the host time goes)",
+    )
     args = ap.parse_args(argv)
     t0 = time.time()
     s = SMOKE if args.smoke else Shapes()
@@ -630,6 +668,11 @@ def main(argv: list[str] | None = None) -> int:
                     m.set_case(B, ctx)
                     current = (ctx, B)
                 row.update(run_variant(m, v, fla, args, bw))
+                if args.host_profile and v == "cuda" and "host_profile" not in results:
+                    results["host_profile"] = host_profile(m, args.host_profile, (B, ctx))
+                    if out is not None:
+                        out.mkdir(parents=True, exist_ok=True)
+                        (out / "host_profile.txt").write_text(results["host_profile"]["text"])
             except Exception as exc:  # noqa: BLE001 - keep going with the other cases
                 row["error"] = f"{type(exc).__name__}: {exc}"[:500]
                 row["traceback"] = traceback.format_exc()[-2000:]

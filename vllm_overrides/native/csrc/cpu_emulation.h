@@ -31,6 +31,7 @@
 // Block size of the test build: two 64-lane warps (four 32-lane ones), so cross-warp
 // reductions are exercised, at half the fibers of the production 256.
 #define VO_BLOCK_THREADS 128
+#define VO_GDN_BLOCK_THREADS 128
 
 struct dim3 {
   unsigned x, y, z;

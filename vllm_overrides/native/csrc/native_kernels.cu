@@ -48,7 +48,12 @@ namespace {
 #define VO_BLOCK_THREADS 256
 #endif
 constexpr int kBlock = VO_BLOCK_THREADS;  // threads per block in every kernel (a multiple of 64)
-constexpr int kMaxWarps = 32; // kBlock / smallest warp we accept (8 for 32 lanes, 4 for 64)
+#ifndef VO_GDN_BLOCK_THREADS
+#define VO_GDN_BLOCK_THREADS 512
+#endif
+// GDN decode blocks are larger: one block per (sequence, key head) walks all R * V state rows.
+constexpr int kGdnBlock = VO_GDN_BLOCK_THREADS;
+constexpr int kMaxWarps = 32;  // largest block (1024) / smallest warp we accept (32)
 
 template <typename T>
 __device__ __forceinline__ float to_f(T v) {
@@ -241,48 +246,59 @@ __global__ void gdn_decode_kernel(
     k[i] *= rk;
   }
   __syncthreads();
-  // Delta rule, one state row [K] per group of kGdnGroup lanes:
+  // Delta rule, two state rows [K] per group of kGdnGroup lanes (both rows' loads in flight
+  // before the reductions: decode is latency-bound at small batches):
   //   h <- exp(g) h;  h <- h + beta (v - h.k) k;  o = h.q
   const int lane = tid % kGdnGroup, groups = blockDim.x / kGdnGroup;
-  for (int row = tid / kGdnGroup; row < R * V; row += groups) {
-    const int r = row / V, vi = row % V;
-    const float e = gate[r], beta = gate[R + r];
-    float* hr = ssm + (int64_t)slot * ssm_slot + ((int64_t)(h * R + r) * V + vi) * K;
-    // K <= 128: two float4 per lane (columns (j * kGdnGroup + lane) * 4), held in registers
-    // between the read of h.k and the write-back.
-    float hv[8];
-    float hk = 0.f;
+  const int RV = R * V;
+  for (int row0 = (tid / kGdnGroup) * 2; row0 < RV; row0 += groups * 2) {
+    const int nr = row0 + 1 < RV ? 2 : 1;  // uniform across the group
+    float hv[2][8];
+    float hk[2] = {0.f, 0.f};
+    float* hr[2];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int col = (j * kGdnGroup + lane) * 4;
-      if (col < K) {
-        const float4 t = *reinterpret_cast<const float4*>(hr + col);
-        hv[4 * j] = t.x * e;
-        hv[4 * j + 1] = t.y * e;
-        hv[4 * j + 2] = t.z * e;
-        hv[4 * j + 3] = t.w * e;
+    for (int u = 0; u < 2; ++u) {
+      const int row = row0 + (u < nr ? u : 0);
+      const float e = gate[row / V];
+      hr[u] = ssm + (int64_t)slot * ssm_slot + ((int64_t)h * R * V + row) * K;
+      // K <= 128: two float4 per lane (columns (j * kGdnGroup + lane) * 4), held in registers
+      // between the read of h.k and the write-back.
 #pragma unroll
-        for (int u = 0; u < 4; ++u) hk += hv[4 * j + u] * k[col + u];
+      for (int j = 0; j < 2; ++j) {
+        const int col = (j * kGdnGroup + lane) * 4;
+        if (col < K) {
+          const float4 t = *reinterpret_cast<const float4*>(hr[u] + col);
+          hv[u][4 * j] = t.x * e;
+          hv[u][4 * j + 1] = t.y * e;
+          hv[u][4 * j + 2] = t.z * e;
+          hv[u][4 * j + 3] = t.w * e;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) hk[u] += hv[u][4 * j + c] * k[col + c];
+        }
       }
     }
-    hk = group_sum(hk, kGdnGroup);
-    const float delta = beta * (v[row] - hk);
-    float hq = 0.f;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int col = (j * kGdnGroup + lane) * 4;
-      if (col < K) {
-        float4 t;
-        t.x = hv[4 * j] + delta * k[col];
-        t.y = hv[4 * j + 1] + delta * k[col + 1];
-        t.z = hv[4 * j + 2] + delta * k[col + 2];
-        t.w = hv[4 * j + 3] + delta * k[col + 3];
-        *reinterpret_cast<float4*>(hr + col) = t;
-        hq += t.x * q[col] + t.y * q[col + 1] + t.z * q[col + 2] + t.w * q[col + 3];
+    for (int u = 0; u < 2; ++u) {
+      if (u >= nr) break;
+      const int row = row0 + u;
+      const float delta = gate[R + row / V] * (v[row] - group_sum(hk[u], kGdnGroup));
+      float hq = 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = (j * kGdnGroup + lane) * 4;
+        if (col < K) {
+          float4 t;
+          t.x = hv[u][4 * j] + delta * k[col];
+          t.y = hv[u][4 * j + 1] + delta * k[col + 1];
+          t.z = hv[u][4 * j + 2] + delta * k[col + 2];
+          t.w = hv[u][4 * j + 3] + delta * k[col + 3];
+          *reinterpret_cast<float4*>(hr[u] + col) = t;
+          hq += t.x * q[col] + t.y * q[col + 1] + t.z * q[col + 2] + t.w * q[col + 3];
+        }
       }
+      hq = group_sum(hq, kGdnGroup);
+      if (lane == 0) o[row] = static_cast<T>(hq);
     }
-    hq = group_sum(hq, kGdnGroup);
-    if (lane == 0) o[row] = static_cast<T>(hq);
   }
 }
 
@@ -295,59 +311,28 @@ template <typename T>
 __global__ void moe_route_kernel(const T* __restrict__ logits, int64_t s_row, int E, int top_k,
                                  bool renormalize, float* __restrict__ w_out,
                                  int64_t* __restrict__ id_out) {
-  VO_DYN_SMEM(float, lg);  // E logits, then E "taken" flags
-  __shared__ float red_v[kMaxWarps];
-  __shared__ int red_i[kMaxWarps];
+  VO_DYN_SMEM(float, lg);  // E logits
   __shared__ float sel_v[64];
   __shared__ int sel_i[64];
-  float* taken = lg + E;
   const int64_t t = blockIdx.x;
-  const int tid = threadIdx.x, lane = tid % warpSize, warp = tid / warpSize;
-  const int nwarps = blockDim.x / warpSize;
+  const int tid = threadIdx.x;
   for (int e = tid; e < E; e += blockDim.x) {
-    lg[e] = to_f(logits[t * s_row + e]);
-    taken[e] = 0.f;
+    const float v = to_f(logits[t * s_row + e]);
+    lg[e] = v != v ? -INFINITY : v;  // NaN ranks as -inf: the ranks stay a permutation
   }
   __syncthreads();
-  for (int j = 0; j < top_k; ++j) {
-    float bv = -INFINITY;
-    int bi = E;  // sentinel: loses to any real expert
-    for (int e = tid; e < E; e += blockDim.x) {
-      if (taken[e] == 0.f && (lg[e] > bv || (lg[e] == bv && e < bi) || bi == E)) {
-        bv = lg[e];
-        bi = e;
-      }
+  // Rank of each expert = how many beat it (larger logit, or equal and a lower index): the
+  // top-k in upstream's order in one pass, no serial arg-max rounds.
+  for (int e = tid; e < E; e += blockDim.x) {
+    const float v = lg[e];
+    int rank = 0;
+    for (int o = 0; o < E; ++o) rank += (lg[o] > v) || (lg[o] == v && o < e);
+    if (rank < top_k) {
+      sel_v[rank] = v;
+      sel_i[rank] = e;
     }
-    for (int o = warpSize / 2; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(__activemask(), bv, o);
-      const int oi = __shfl_xor_sync(__activemask(), bi, o);
-      if (oi != E && (bi == E || ov > bv || (ov == bv && oi < bi))) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    if (lane == 0) {
-      red_v[warp] = bv;
-      red_i[warp] = bi;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      float v0 = red_v[0];
-      int i0 = red_i[0];
-      for (int w = 1; w < nwarps; ++w) {
-        const float ov = red_v[w];
-        const int oi = red_i[w];
-        if (oi != E && (i0 == E || ov > v0 || (ov == v0 && oi < i0))) {
-          v0 = ov;
-          i0 = oi;
-        }
-      }
-      sel_v[j] = v0;
-      sel_i[j] = i0;
-      taken[i0] = 1.f;
-    }
-    __syncthreads();
   }
+  __syncthreads();
   // Weights: softmax over the selected logits (renormalised), else the full softmax.
   const float mx = sel_v[0];
   float denom[1] = {0.f};
@@ -445,7 +430,7 @@ __global__ void moe_up_kernel(const T* __restrict__ x, int H, const int64_t* __r
   }
 }
 
-constexpr int kRowsDown = 32;  // output rows of H per block in kernel 2
+constexpr int kRowsDown = 16;  // output rows of H per block in kernel 2 (one per lane group)
 
 template <typename T>
 __global__ void moe_down_kernel(const float* __restrict__ act, int act_stride,
@@ -662,7 +647,7 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
       TORCH_CHECK(conv_bias->scalar_type() == qkv.scalar_type() && conv_bias->is_contiguous(),
                   "gdn_decode: conv_bias dtype");
     TORCH_CHECK(conv_weight.scalar_type() == qkv.scalar_type(), "gdn_decode: conv_weight dtype");
-    VO_LAUNCH(gdn_decode_kernel<scalar_t>, grid, kBlock, smem,
+    VO_LAUNCH(gdn_decode_kernel<scalar_t>, grid, kGdnBlock, smem,
         qkv.data_ptr<scalar_t>(), qkv.stride(0), a.data_ptr<scalar_t>(), a.stride(0),
         b.data_ptr<scalar_t>(), b.stride(0), conv_state.data_ptr<scalar_t>(),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
@@ -684,7 +669,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t t
   auto ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
   if (T == 0) return {w, ids};
   VO_DISPATCH_FLOATS(logits.scalar_type(), "moe_route", [&] {
-    VO_LAUNCH(moe_route_kernel<scalar_t>, T, kBlock, 2 * E * sizeof(float),
+    VO_LAUNCH(moe_route_kernel<scalar_t>, T, kBlock, E * sizeof(float),
         logits.data_ptr<scalar_t>(), logits.stride(0), E, top_k, renormalize,
         w.data_ptr<float>(), ids.data_ptr<int64_t>());
   });
