@@ -76,8 +76,9 @@ def _log_once(key: str, msg: str, *args: Any) -> None:
 
 
 def _used(op: str) -> None:
-    if not torch.compiler.is_compiling():  # a side effect tracing need not replay
-        FUSED_USED.add(op)
+    # Eager decode runs this per op per layer: test membership first, it is the cheap part.
+    if op not in FUSED_USED and not torch.compiler.is_compiling():
+        FUSED_USED.add(op)  # a side effect tracing need not replay
 
 
 def set_backend(name: str) -> None:
@@ -156,6 +157,8 @@ def extension_loaded() -> bool:
 
 def use_cuda(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve a call on ``x``'s device under the current backend."""
+    if _loaded and x.is_cuda and _mode != "torch":  # the eager hot path: one test per op
+        return True
     if _mode == "torch":
         return False
     if _mode == "emulate" and not _emulated:
@@ -278,10 +281,14 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
     mamba pages to the attention page size) that keeps the rows' 16-byte vector loads aligned."""
     if t.shape[0] == 0:
         return True
+    _, hv, v, k = t.shape
+    s0, s1, s2, s3 = t.stride()
     return (
-        t[0].is_contiguous()
+        s3 == 1
+        and s2 == k
+        and s1 == v * k
         and t.data_ptr() % 16 == 0
-        and (t.stride(0) * t.element_size()) % 16 == 0
+        and (s0 * t.element_size()) % 16 == 0
     )
 
 
@@ -337,16 +344,30 @@ def _moe_decode_fits(
 ) -> bool:
     """The kernels read 16-byte vectors along ``H`` and ``I``: contiguous, aligned rows."""
     vec = 16 // x.element_size()
-    tensors = [x, w13, w2] + ([t for t in shared if t is not None] if shared else [])
-    return (
+    if not (
         x.dim() == 2
         and x.shape[0] <= 64
-        and all(t.dtype == x.dtype and t.is_contiguous() for t in tensors)
-        and all(t.data_ptr() % 16 == 0 for t in tensors)
+        and x.is_contiguous()
+        and x.data_ptr() % 16 == 0
         and x.shape[1] % vec == 0
-        and w2.shape[2] % vec == 0
-        and (shared is None or shared[1].shape[1] % vec == 0)
-    )
+    ):
+        return False
+    weights = [w13, w2] + ([t for t in shared if t is not None] if shared else [])
+    # A layer's weights are checked once (the per-token call pays only for x).
+    key = (x.dtype, *((t.data_ptr(), t.shape) for t in weights))
+    ok = _weights_fit.get(key)
+    if ok is None:
+        ok = (
+            all(t.dtype == x.dtype and t.is_contiguous() for t in weights)
+            and all(t.data_ptr() % 16 == 0 for t in weights)
+            and w2.shape[2] % vec == 0
+            and (shared is None or shared[1].shape[1] % vec == 0)
+        )
+        _weights_fit[key] = ok
+    return ok
+
+
+_weights_fit: dict[tuple[Any, ...], bool] = {}
 
 
 def qk_norm_rope_gate(
