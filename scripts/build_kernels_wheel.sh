@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build the vo_native_kernels wheel (fused decode kernels) for the torch of $PYTHON's
-# environment and put it in build-inputs/wheelhouse/, where the Dockerfile installs it from.
+# environment and put it in build-inputs/kernels/ (default OUT_DIR), where the Dockerfile installs it
+# from in a layer of its own (the wheelhouse feeds the vLLM layer; a new kernels wheel must not
+# redo that one).
 # Build on a machine with that torch and its toolchain (never inside the image build: compiling
 # there sank earlier submissions); knobs: vllm_overrides/native/csrc/setup.py.
 #
