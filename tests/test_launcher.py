@@ -41,21 +41,21 @@ def test_yaml_schema_and_the_platform_settings(config) -> None:
     assert config.env == {
         "PROF_TRACE": "0", "PROF_MOE_SUMMARY": "0", "MOE_NATIVE": "1", "MOE_DECODE_NATIVE": "0",
         "GDN_NATIVE": "1", "RMSNORM_NATIVE": "1", "QK_NORM_ROPE_NATIVE": "1",
-        "NATIVE_KERNELS": "auto",
+        "VISION_ROPE_NATIVE": "1", "NATIVE_KERNELS": "auto",
     }  # fmt: skip
     assert b"\r" not in DEFAULT_CONFIG.read_bytes()
 
 
 def test_launch_profile_needs_no_triton(config) -> None:
     """The target has no Triton: eager (no Inductor, no CUDA graphs), and every layer kind that
-    upstream runs on Triton kernels (GDN, MoE, attention's fused q/k norm + RoPE) on our
-    native paths."""
+    upstream runs on Triton kernels (GDN, MoE, attention's fused q/k norm + RoPE, the vision
+    tower's RoPE) on our native paths."""
     args = parse_with_vllm(server_args(config.command), validate=False)
     assert args.enforce_eager is True
     # MRoPE: upstream's CUDA forward is a Triton kernel; the custom op off means forward_native.
     assert "-rotary_embedding" in args.compilation_config.custom_ops
     assert config.env["GDN_NATIVE"] == "1" and config.env["MOE_NATIVE"] == "1"
-    assert config.env["QK_NORM_ROPE_NATIVE"] == "1"
+    assert config.env["QK_NORM_ROPE_NATIVE"] == "1" and config.env["VISION_ROPE_NATIVE"] == "1"
     assert config.env["NATIVE_KERNELS"] in ("auto", "cuda")
 
 

@@ -18,11 +18,11 @@ from tests.serverlib import start_local_server, stop_process_group, wait_healthy
 PORTS = range(8120, 8130)
 NATIVE_ON = {
     "GDN_NATIVE": "1", "MOE_NATIVE": "1", "MOE_DECODE_NATIVE": "0", "RMSNORM_NATIVE": "1",
-    "QK_NORM_ROPE_NATIVE": "1",
+    "QK_NORM_ROPE_NATIVE": "1", "VISION_ROPE_NATIVE": "1",
 }  # fmt: skip
 NATIVE_OFF = {
     "GDN_NATIVE": "0", "MOE_NATIVE": "0", "MOE_DECODE_NATIVE": "0", "RMSNORM_NATIVE": "0",
-    "QK_NORM_ROPE_NATIVE": "0",
+    "QK_NORM_ROPE_NATIVE": "0", "VISION_ROPE_NATIVE": "0",
 }  # fmt: skip
 
 

@@ -18,6 +18,9 @@ else lives here. The switches are read once, at import, from the environment:
 ``MOE_DECODE_NATIVE=1``   MoE decode through the sort-by-expert path instead of gather + bmm.
                           Alone (``MOE_NATIVE=0``) it switches decode only; prefill stays upstream.
 ``RMSNORM_NATIVE=1``      ``GemmaRMSNorm`` (Qwen3.5 ``(1 + w)`` norms, plain and fused-add).
+``VISION_ROPE_NATIVE=1``  The vision tower's RoPE (``ApplyRotaryEmb``) through upstream's PyTorch
+                          forward on every platform (:mod:`.vision_rope`: vLLM's out-of-tree op
+                          registry, no patch); its CUDA forward is a Triton kernel.
 ``QK_NORM_ROPE_NATIVE=1`` Gated attention's q/k norm + RoPE + gate split through
                           :func:`.kernels.qk_norm_rope_gate` (one launch where the extension
                           runs). Upstream's fused version of it is a Triton kernel that a CUDA
@@ -56,7 +59,7 @@ from typing import Any
 
 import torch
 
-from . import gdn, gdn_checkpoint, kernels, moe
+from . import gdn, gdn_checkpoint, kernels, moe, vision_rope
 
 logger = logging.getLogger("vllm.vllm_overrides.native")
 
@@ -80,11 +83,17 @@ MOE_NATIVE = _flag("MOE_NATIVE")
 MOE_DECODE_NATIVE = _flag("MOE_DECODE_NATIVE")
 RMSNORM_NATIVE = _flag("RMSNORM_NATIVE")
 QK_NORM_ROPE_NATIVE = _flag("QK_NORM_ROPE_NATIVE")
+VISION_ROPE_NATIVE = _flag("VISION_ROPE_NATIVE")
 PROF_TRACE = _flag("PROF_TRACE")
 PROF_MOE_SUMMARY = _int("PROF_MOE_SUMMARY")
 MOE_SUMMARY_EVERY = 1000 if PROF_MOE_SUMMARY == 1 else PROF_MOE_SUMMARY
 # A MoE call with at most this many tokens is a "decode" call (static per captured batch size).
 MOE_DECODE_MAX_TOKENS = 32
+
+# The patched model modules import this one before any layer is built: the out-of-tree op
+# must be registered by then.
+if VISION_ROPE_NATIVE:
+    vision_rope.register()
 
 # Which native paths ran in this process. The norm counters are bumped while Dynamo traces
 # (and wherever the traced bytecode replays the side effect), the others on every eager call.
