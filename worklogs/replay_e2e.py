@@ -75,6 +75,18 @@ class MemorySampler(threading.Thread):
                 break
             self.stop_event.wait(self.every)
 
+    def per_pass(self, spans: list[tuple[float, float]]) -> list[dict[str, float]]:
+        """Mean, max and last RSS (MiB) within each pass's [start, end) seconds."""
+        rows = []
+        for a, b in spans:
+            mib = np.array([m for t, m in self.samples if a <= t < b], dtype=np.float64) / 2**20
+            if len(mib):
+                rows.append({"start_s": round(a, 1), "end_s": round(b, 1),
+                             "mean_mib": round(float(mib.mean()), 1),
+                             "max_mib": round(float(mib.max()), 1),
+                             "last_mib": round(float(mib[-1]), 1)})  # fmt: skip
+        return rows
+
     def summary(self, replay_start: float) -> dict[str, object]:
         during = [(t, m) for t, m in self.samples if t >= replay_start]
         if not during:
@@ -101,6 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--label")
     ap.add_argument("--startup-timeout", type=float, default=1800.0)
+    ap.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="replay the same requests N times on one server (a leak grows every pass; a "
+        "high-water mark does not); passes after the first write <out>-passK.json",
+    )
+    ap.add_argument(
+        "--cold-passes",
+        action="store_true",
+        help="with --passes: reset the prefix cache before each later pass (the server runs "
+        "with VLLM_SERVER_DEV_MODE=1 for the reset endpoint), so every pass recomputes",
+    )
     ap.add_argument("extra", nargs="*", help="after --: extra launcher arguments")
     args = ap.parse_args(argv)
 
@@ -119,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
            *args.extra]  # fmt: skip
     print("server:", " ".join(cmd), f"(log {log})", flush=True)
     with open(log, "w") as logf:
-        server = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
+        env = {**os.environ, **({"VLLM_SERVER_DEV_MODE": "1"} if args.cold_passes else {})}
+        server = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                   start_new_session=True)  # fmt: skip
     base = f"http://127.0.0.1:{args.port}"
     sampler = MemorySampler(server.pid)
@@ -147,7 +173,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.requests:
             bench += ["-r", str(args.requests)]
         t_bench = time.perf_counter()
-        rc = formal_perf_bench.main(bench)
+        rc, pass_spans = 0, []
+        for k in range(1, args.passes + 1):
+            t_pass = time.perf_counter() - sampler.t0
+            pout = out if k == 1 else out.with_name(f"{out.stem}-pass{k}{out.suffix}")
+            later = [*bench[:5], str(pout), *bench[6:]]
+            if args.cold_passes:
+                later.append("--reset-prefix-cache")
+            rc |= formal_perf_bench.main(bench if k == 1 else later)
+            pass_spans.append((t_pass, time.perf_counter() - sampler.t0))
         bench_wall = time.perf_counter() - t_bench
         sampler.stop_event.set()
         sampler.join(10)
@@ -165,10 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             "bench_wall_s": round(bench_wall, 1),
             "server_command": cmd,
             "server_env": {k: os.environ[k] for k in ("GDN_NATIVE", "RMSNORM_NATIVE",
-                           "MOE_NATIVE", "NATIVE_KERNELS") if k in os.environ},
+                           "MOE_NATIVE", "QK_NORM_ROPE_NATIVE", "VISION_ROPE_NATIVE",
+                           "NATIVE_KERNELS") if k in os.environ},
         }  # fmt: skip
         result = json.loads(out.read_text())
         result["memory"] = sampler.summary(replay_start)
+        if args.passes > 1:
+            result["memory"]["passes"] = sampler.per_pass(pass_spans)
         result["engine"] = engine
         out.write_text(json.dumps(result, indent=1) + "\n")
         mem = result["memory"]
@@ -178,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"server RSS (whole tree): start {mem['start_mib']:.0f} MiB, end "
                   f"{mem['end_mib']:.0f} MiB, max {mem['max_mib']:.0f} MiB "
                   f"(growth {mem['growth_pct']} %)")
+            for k, row in enumerate(mem.get("passes", []), 1):
+                print(f"  pass {k}: mean {row['mean_mib']:.0f} MiB, max {row['max_mib']:.0f} MiB, "
+                      f"last {row['last_mib']:.0f} MiB")
         return 0 if rc == 0 and healthy and not engine["tracebacks_in_log"] else 1
     finally:
         sampler.stop_event.set()
