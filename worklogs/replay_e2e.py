@@ -55,24 +55,31 @@ class MemorySampler(threading.Thread):
         self.proc = psutil.Process(pid)
         self.every = every
         self.samples: list[tuple[float, int]] = []
+        self.by_process: list[tuple[float, dict[str, int]]] = []  # RSS by process title
         self.stop_event = threading.Event()
         self.t0 = time.perf_counter()
 
-    def rss(self) -> int:
-        total = 0
+    def rss(self) -> tuple[int, dict[str, int]]:
+        total, parts = 0, {}
         for p in [self.proc, *self.proc.children(recursive=True)]:
             try:
-                total += p.memory_info().rss
+                rss = p.memory_info().rss
+                name = f"{p.name()}[{p.pid}]"  # vLLM titles its processes (VLLM::EngineCore)
             except psutil.Error:
-                pass
-        return total
+                continue
+            total += rss
+            parts[name] = rss
+        return total, parts
 
     def run(self) -> None:
         while not self.stop_event.is_set():
             try:
-                self.samples.append((round(time.perf_counter() - self.t0, 1), self.rss()))
+                t = round(time.perf_counter() - self.t0, 1)
+                total, parts = self.rss()
             except psutil.Error:
                 break
+            self.samples.append((t, total))
+            self.by_process.append((t, parts))
             self.stop_event.wait(self.every)
 
     def per_pass(self, spans: list[tuple[float, float]]) -> list[dict[str, float]]:
@@ -81,10 +88,17 @@ class MemorySampler(threading.Thread):
         for a, b in spans:
             mib = np.array([m for t, m in self.samples if a <= t < b], dtype=np.float64) / 2**20
             if len(mib):
+                procs: dict[str, float] = {}
+                for t, parts in self.by_process:
+                    if a <= t < b:
+                        for name, rss in parts.items():
+                            procs[name] = max(procs.get(name, 0.0), rss / 2**20)
                 rows.append({"start_s": round(a, 1), "end_s": round(b, 1),
                              "mean_mib": round(float(mib.mean()), 1),
                              "max_mib": round(float(mib.max()), 1),
-                             "last_mib": round(float(mib[-1]), 1)})  # fmt: skip
+                             "last_mib": round(float(mib[-1]), 1),
+                             "max_mib_by_process": {k: round(v, 1) for k, v in procs.items()},
+                             })  # fmt: skip
         return rows
 
     def summary(self, replay_start: float) -> dict[str, object]:
@@ -217,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(growth {mem['growth_pct']} %)")
             for k, row in enumerate(mem.get("passes", []), 1):
                 print(f"  pass {k}: mean {row['mean_mib']:.0f} MiB, max {row['max_mib']:.0f} MiB, "
-                      f"last {row['last_mib']:.0f} MiB")
+                      f"last {row['last_mib']:.0f} MiB; max by process "
+                      f"{row['max_mib_by_process']}")
         return 0 if rc == 0 and healthy and not engine["tracebacks_in_log"] else 1
     finally:
         sampler.stop_event.set()
