@@ -186,7 +186,7 @@ def qk_norm_rope_gate(
     q, k, gate = kernels.qk_norm_rope_gate(
         q_gate, k, layer.q_norm.weight, layer.k_norm.weight, rope.cos_sin_cache, positions,
         layer.q_norm.variance_epsilon, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-        rope.rotary_dim, sec if positions.dim() == 2 else None, 1.0,
+        rope.rotary_dim, sec if positions.dim() == 2 else None,
     )  # fmt: skip
     return q, k, v, gate
 

@@ -383,7 +383,6 @@ def qk_norm_rope_gate(
     head_dim: int,
     rotary_dim: int,
     mrope_section: Sequence[int] | None = None,
-    norm_beta: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`.qk_norm_rope.qk_norm_rope_gate`: ``(q, k, gate)``, one launch where it runs."""
     ok = (
@@ -401,12 +400,12 @@ def qk_norm_rope_gate(
         sec_h, sec_w = (mrope_section[1], mrope_section[2]) if positions.dim() == 2 else (0, 0)
         q, kk, gate = torch.ops.vo_kernels.qk_norm_rope_gate(
             q_gate, k, q_weight, k_weight, cos_sin_cache, positions, eps, num_q_heads,
-            num_kv_heads, head_dim, rotary_dim, sec_h, sec_w, norm_beta,
+            num_kv_heads, head_dim, rotary_dim, sec_h, sec_w, 1.0,  # norm_beta: (1 + w)
         )  # fmt: skip
         return q, kk, gate
     return qk_norm_rope.qk_norm_rope_gate(
         q_gate, k, q_weight, k_weight, cos_sin_cache, positions, eps, num_q_heads,
-        num_kv_heads, head_dim, rotary_dim, mrope_section, norm_beta,
+        num_kv_heads, head_dim, rotary_dim, mrope_section,
     )  # fmt: skip
 
 

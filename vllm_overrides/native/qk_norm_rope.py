@@ -1,5 +1,5 @@
 """Gated attention's input prep in plain PyTorch: split ``q|gate`` per head, Qwen's
-``(beta + w)`` RMSNorm on q and k, partial NeoX RoPE (plain or interleaved MRoPE) and the gate
+``(1 + w)`` RMSNorm on q and k, partial NeoX RoPE (plain or interleaved MRoPE) and the gate
 copy -- the contract of upstream's Triton ``fused_qk_rmsnorm_rope_gate``, which a Triton-less
 card cannot run. :mod:`.kernels` serves it with one fused launch where the extension runs.
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from . import rmsnorm
 
 __all__ = ["mrope_positions", "qk_norm_rope_gate"]
 
@@ -30,12 +32,6 @@ def mrope_positions(
     row = torch.where((j % 3 == 1) & (j < 3 * sec[1]), 1, row)
     row = torch.where((j % 3 == 2) & (j < 3 * sec[2]), 2, row)
     return positions[row].transpose(0, 1)  # [T, half]
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, beta: float) -> torch.Tensor:
-    xf = x.float()
-    inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * inv * (weight.float() + beta)).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
@@ -58,22 +54,21 @@ def qk_norm_rope_gate(
     head_dim: int,
     rotary_dim: int,
     mrope_section: Sequence[int] | None = None,
-    norm_beta: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(q, k, gate)``, contiguous ``[T, heads * head_dim]``.
 
     Args:
         q_gate: ``[T, num_q_heads * 2 * head_dim]``, per head ``[q | gate]``.
         k: ``[T, num_kv_heads * head_dim]``.
-        q_weight, k_weight: ``[head_dim]`` norm weights (applied as ``norm_beta + w``).
+        q_weight, k_weight: ``[head_dim]`` norm weights (applied as ``1 + w``).
         cos_sin_cache: ``[max_pos, rotary_dim]`` packed ``[cos | sin]``.
         positions: ``[T]``, or ``[3, T]`` with ``mrope_section`` (interleaved MRoPE).
     """
     T, D, half = q_gate.shape[0], head_dim, rotary_dim // 2
     qg = q_gate.view(T, num_q_heads, 2 * D)
     q, gate = qg[..., :D], qg[..., D:]
-    q = _norm(q, q_weight, eps, norm_beta)
-    kk = _norm(k.view(T, num_kv_heads, D), k_weight, eps, norm_beta)
+    q = rmsnorm.gemma_rms_norm(q, q_weight, eps)
+    kk = rmsnorm.gemma_rms_norm(k.view(T, num_kv_heads, D), k_weight, eps)
     pos = mrope_positions(positions, half, mrope_section)
     cols = torch.arange(half, device=q_gate.device)
     cos = cos_sin_cache[pos, cols].float()[:, None]  # [T, 1, half]

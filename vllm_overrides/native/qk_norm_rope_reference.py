@@ -23,7 +23,6 @@ def qk_norm_rope_gate_reference(
     head_dim: int,
     rotary_dim: int,
     mrope_section: Sequence[int] | None = None,
-    norm_beta: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token by token, head by head, element by element in float64."""
     T, D, half = q_gate.shape[0], head_dim, rotary_dim // 2
@@ -45,7 +44,7 @@ def qk_norm_rope_gate_reference(
 
     def head(t: int, x: list[float], w: torch.Tensor) -> list[float]:
         rms = math.sqrt(sum(v * v for v in x) / D + eps)
-        y = [x[i] / rms * (norm_beta + float(w[i])) for i in range(D)]
+        y = [x[i] / rms * (1.0 + float(w[i])) for i in range(D)]
         out = list(y)
         for j in range(half):
             p = freq_pos(t, j)
