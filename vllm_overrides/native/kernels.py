@@ -281,7 +281,7 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
     mamba pages to the attention page size) that keeps the rows' 16-byte vector loads aligned."""
     if t.shape[0] == 0:
         return True
-    _, hv, v, k = t.shape
+    _, _, v, k = t.shape
     s0, s1, s2, s3 = t.stride()
     return (
         s3 == 1
