@@ -36,6 +36,23 @@ GPU (no vLLM needed: plain torch, optional fla)::
     NATIVE_KERNELS_JIT=1 python3 worklogs/decode_step_bench.py --out $OUT
 
 ``--smoke``: tiny shapes on the CPU in seconds (launches are then top-level CPU operators).
+
+``--prefill [T,...]`` (issue 15): the whole *prefill* step instead (:class:`PrefillStep`, same
+weights and layers): one sequence of T new tokens (default 16384,65536), "fresh" (zero states,
+empty cache) and "resume" (``--prefill-cached`` tokens already in the KV cache and the GDN
+states; default as many as T). Per layer the engine's prefill path: GDN projections,
+``gdn.causal_conv1d_prefill``, ``gdn.post_conv_prep``, the chunk rule (``torch``:
+``gdn.chunk_gated_delta_rule``; ``cuda``: ``kernels.chunk_gated_delta_rule`` where it exists;
+``fla``: FLA's ``chunk_gated_delta_rule``), ``kernels.rms_norm_gated``; attention: q/k norm +
+RoPE + gate, causal torch SDPA over cache + new tokens (stands in for vLLM's prefill attention);
+MoE ``moe.sparse_moe_block`` (``cuda``/``fla``: ``kernels.moe_prefill`` where it exists); the LM
+head on the last token. Reports ms, tokens/s, the GEMM-FLOP floor at the bf16 ``torch.mm`` rate
+measured in the run, a per-part breakdown (each part timed alone + the profiler's top kernels)
+and a paper estimate for the target card with the replay's TTFT percentiles. Eager only.
+Writes ``prefill_step_bench.{json,txt}``::
+
+    NATIVE_KERNELS_JIT=1 FLA_FLASH_QLA=0 python3 worklogs/decode_step_bench.py --prefill \
+        --out $OUT/prefill --budget-s 420
 """
 
 from __future__ import annotations
@@ -64,6 +81,7 @@ from kernel_bench import Timer, log  # noqa: E402
 
 from vllm_overrides.native import gdn  # noqa: E402
 from vllm_overrides.native import kernels as kn  # noqa: E402
+from vllm_overrides.native import moe as moe_mod  # noqa: E402
 
 VARIANTS = ("torch", "cuda", "fla")
 NOTES = [
@@ -584,11 +602,656 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(head + lines + errs + notes) + "\n"
 
 
-def progress(items: list[Any]) -> Iterable[Any]:
+# ---------------------------------------------------------------------------------------------
+# Whole prefill step (issue 15, part 3)
+# ---------------------------------------------------------------------------------------------
+
+PREFILL_NOTES = [
+    "one TP4 rank, one GPU: all-reduce left out (2 per layer + 1 LM-head all-gather per step)",
+    "attention: torch SDPA (causal; lower-right causal over cached context + new tokens when "
+    "resuming) stands in for vLLM's prefill attention; new k/v copied into a contiguous "
+    "[1, kv, ctx, D] cache first (stands in for reshape_and_cache)",
+    "GDN per layer: gdn.causal_conv1d_prefill + gdn.post_conv_prep + chunk rule (torch: "
+    "gdn.chunk_gated_delta_rule; cuda: kernels.chunk_gated_delta_rule where it exists; fla: as "
+    "cuda but FLA's chunk_gated_delta_rule) + kernels.rms_norm_gated; fresh = zero initial states, "
+    "resume = initial conv/SSM states from the cache",
+    "MoE: moe.sparse_moe_block (the engine's prefill path); cuda and fla variants: "
+    "kernels.moe_prefill where it exists (routing through kernels.moe_route when it takes top-k "
+    "ids)",
+    "LM head on the last token only; one step prefills T tokens of one sequence "
+    "(tokens/s = T * 1000 / ms); eager only",
+    "GEMM-FLOP floor: projections, router, routed experts (T * top_k rows), shared expert, "
+    "attention QK^T and PV (causal pairs), LM head (1 row), at the bf16 matmul rate measured "
+    "in this run (large torch.mm); the GDN chunk core's own matmuls are not in the floor",
+]
+
+# The target card (paper estimate). Each figure with where it comes from.
+TARGET_CARD = {
+    "name": "Iluvatar BI-V100 (TP4: one rank per card)",
+    "dtype": "float16 (PLATFORM.md: bf16 is far slower there; teams run --dtype half)",
+    "copy_GBps": 584.0,
+    "copy_GBps_source": "/work/shared/PLATFORM.md (measured copy bandwidth)",
+    "peak_fp16_TFps": 147.0,
+    "peak_fp16_TFps_source": "Iluvatar's public BI-V100 spec sheet (147 TFLOPS fp16); not in "
+    "PLATFORM.md and not measured by anyone here -- an assumption",
+    "matmul_efficiency": 0.5,
+    "matmul_efficiency_source": "assumption (fraction of the fp16 peak a large GEMM reaches; "
+    "no measurement on the card is known)",
+    "launch_us": 7.0,
+    "launch_us_source": "/work/shared/PLATFORM.md (~7 us per small fused kernel launch, eager)",
+}
+REPLAY_SIM = REPO / "worklogs" / "results" / "cache-sim-replay881.json"
+# Fallback when the simulator file is missing: PLATFORM.md's replay figures.
+REPLAY_PLATFORM = {"median": 13_000, "mean": 25_700, "max": 254_336}
+
+
+class PrefillStep(DecodeStep):
+    """One TP4 rank prefilling ``T`` new tokens of one sequence, optionally after ``cached``
+    tokens already in the KV cache and GDN states (the "resume" case). Same weights and layer
+    structure as :class:`DecodeStep`; the mixers and the MoE take the engine's prefill paths."""
+
+    def __init__(self, s: Shapes, dtype: torch.dtype, dev: torch.device) -> None:
+        super().__init__(s, dtype, dev)
+        self.chunk_fn: Callable[..., Any] = gdn.chunk_gated_delta_rule
+        self.moe_fn: Callable[..., Any] | None = None  # kernels.moe_prefill in the cuda variant
+        self.sdpa_gqa = True  # SDPA's enable_gqa works here (probed in set_case)
+
+    def set_case(self, T: int, cached: int) -> None:  # type: ignore[override]
+        s, dev, dt = self.s, self.dev, self.dtype
+        self.free_case()
+        self.T, self.cached, self.B, self.ctx = T, cached, 1, cached + T
+        L = cached + T
+        self.x = torch.randn(T, s.hidden, device=dev, dtype=dt)
+        self.slots = torch.tensor([1], device=dev, dtype=torch.long)  # slot 0: null block
+        self.qsl = torch.tensor([0, T], device=dev, dtype=torch.long)
+        self.has_init = torch.tensor([cached > 0], device=dev)
+        self.positions = torch.arange(cached, L, device=dev, dtype=torch.long)
+        freqs = torch.arange(L, device=dev).float()[:, None] * self.inv_freq
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).to(dt)  # [L, rotary]
+        for i in range(s.layers):
+            if s.is_attn(i):
+                shape = (1, s.kv_heads, L, s.head_dim)
+                self.kv[i] = (
+                    torch.randn(shape, device=dev, dtype=dt),
+                    torch.randn(shape, device=dev, dtype=dt),
+                )
+            else:
+                buf = torch.randn(2, s.conv - 1, s.conv_dim, device=dev, dtype=dt)
+                self.conv[i] = buf.transpose(1, 2)
+                self.ssm[i] = torch.randn(
+                    2, s.v_heads, s.head_v, s.head_k, device=dev, dtype=torch.float32
+                ).mul_(0.05)
+        self.sdpa_gqa = self._probe_gqa()
+
+    def free_case(self) -> None:
+        super().free_case()
+        self.x = self.cos_sin = self.positions = None  # type: ignore[assignment]
+
+    def _probe_gqa(self) -> bool:
+        """Whether SDPA takes the 1 kv head for the 4 q heads as is (``enable_gqa``) with the
+        mask this case needs; else k/v are repeated per q head."""
+        s, dev, dt = self.s, self.dev, self.dtype
+        q = torch.randn(1, s.q_heads, 8, s.head_dim, device=dev, dtype=dt)
+        kv = torch.randn(1, s.kv_heads, 8 + (4 if self.cached else 0), s.head_dim, device=dev,
+                         dtype=dt)  # fmt: skip
+        try:
+            self._sdpa(q, kv, kv, gqa=True)
+            return True
+        except Exception:  # noqa: BLE001 - fall back to repeated k/v
+            return False
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """Causal attention of the ``Tq`` new tokens (the last ``Tq`` positions) over ``Lk``."""
+        Tq, Lk = q.shape[2], k.shape[2]
+        if not gqa and k.shape[1] != q.shape[1]:
+            r = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+        kw: dict[str, Any] = {"scale": q.shape[-1] ** -0.5}
+        if gqa and k.shape[1] != q.shape[1]:
+            kw["enable_gqa"] = True
+        with self._fused_sdpa():
+            if Tq == Lk:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(Tq, Lk)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+
+    def _fused_sdpa(self) -> Any:
+        """On CUDA: flash / memory-efficient / cuDNN attention only -- never the math backend,
+        whose [heads, T, T+C] score matrix would not fit at 64K (an error instead)."""
+        import contextlib
+
+        if self.dev.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        if hasattr(SDPBackend, "CUDNN_ATTENTION"):
+            backends.append(SDPBackend.CUDNN_ATTENTION)
+        return sdpa_kernel(backends)
+
+    # -- the mixers -------------------------------------------------------------------------
+
+    def attention(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        s, lw, T, C = self.s, self.layers[i], h.shape[0], self.cached
+        nh, nkv, D = s.q_heads, s.kv_heads, s.head_dim
+        qkv = F.linear(h, lw["qkv"])
+        q_gate, k, v = qkv.split([2 * nh * D, nkv * D, nkv * D], dim=-1)
+        q, k, gate = kn.qk_norm_rope_gate(
+            q_gate, k, lw["q_norm"], lw["k_norm"], self.cos_sin, self.positions, s.eps,
+            nh, nkv, D, s.rotary,
+        )  # fmt: skip
+        kc, vc = self.kv[i]
+        kc[0, :, C:].copy_(k.view(T, nkv, D).transpose(0, 1))
+        vc[0, :, C:].copy_(v.reshape(T, nkv, D).transpose(0, 1))
+        o = self._sdpa(q.view(T, nh, D).transpose(0, 1)[None], kc, vc, self.sdpa_gqa)
+        o = o[0].transpose(0, 1).reshape(T, nh * D) * torch.sigmoid(gate.reshape(T, nh * D))
+        return F.linear(o, lw["o_proj"])
+
+    def gdn_prep(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Projections, conv (state updated) and post-conv prep: ``(q, k, v, g, beta, z)``."""
+        s, lw = self.s, self.layers[i]
+        HV, V = s.v_heads, s.head_v
+        mixed_qkv, z = F.linear(h, lw["qkvz"]).split([s.conv_dim, HV * V], dim=-1)
+        b, a = F.linear(h, lw["ba"]).split([HV, HV], dim=-1)
+        x = gdn.causal_conv1d_prefill(
+            mixed_qkv, lw["conv"], None, self.conv[i], self.qsl, self.slots, self.has_init, "silu"
+        )
+        q, k, v, g, beta = gdn.post_conv_prep(
+            x, a, b, lw["A_log"], lw["dt_bias"], s.k_heads, s.head_k, V, apply_l2norm=True
+        )
+        return q, k, v, g, beta, z
+
+    def gdn_core(
+        self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The chunk rule from this case's initial state; the final state back in its slot."""
+        h0 = self.ssm[i].index_select(0, self.slots)
+        h0 = torch.where(self.has_init.view(-1, 1, 1, 1), h0, torch.zeros_like(h0))
+        args = (q[None], k[None], v[None], g[None], beta[None])
+        if self.fla is not None:
+            o, final = self.fla(
+                *args, scale=self.s.head_k**-0.5, initial_state=h0, output_final_state=True,
+                use_qk_l2norm_in_kernel=False, state_v_first=True, cu_seqlens=self.qsl,
+            )  # fmt: skip
+        else:
+            o, final = self.chunk_fn(
+                *args, initial_state=h0, output_final_state=True, cu_seqlens=self.qsl,
+                use_qk_l2norm_in_kernel=False,
+            )  # fmt: skip
+        self.ssm[i].index_copy_(0, self.slots, final.to(torch.float32))
+        return o[0]
+
+    def gated_deltanet(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        s, lw, T = self.s, self.layers[i], h.shape[0]
+        HV, V = s.v_heads, s.head_v
+        q, k, v, g, beta, z = self.gdn_prep(i, h)
+        core = self.gdn_core(i, q, k, v, g, beta).to(h.dtype)
+        y = kn.rms_norm_gated(core, z.reshape(T, HV, V), lw["gnorm"], s.eps)
+        return F.linear(y.reshape(T, HV * V), lw["out_proj"])
+
+    def moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        lw, k = self.layers[i], self.s.top_k
+        shared = (lw["sh_gu"], lw["sh_down"], lw["sh_gate"])
+        if self.moe_fn is not None:
+            return call_moe_prefill(self.moe_fn, h, lw, k)
+        return moe_mod.sparse_moe_block(h, lw["router"], lw["w13"], lw["w2"], k, True, *shared)
+
+    def step(self) -> torch.Tensor:
+        x, res = self.x, None
+        for i in range(self.s.layers):
+            x, res = self.layer(i, x, res)
+        assert res is not None
+        return self.head(x[-1:], res[-1:])  # the LM head on the last token only
+
+    def parts(self) -> dict[str, Callable[[], Any]]:
+        """Each part once (GPU-timed separately): the mixers, their cores, one MoE block."""
+        s, x = self.s, self.x
+        gi = next(i for i in range(1, s.layers) if not s.is_attn(i))
+        ai = next(i for i in range(s.layers) if s.is_attn(i))
+        prep = self.gdn_prep(gi, x)
+        T, nh, D = x.shape[0], s.q_heads, s.head_dim
+        q = torch.randn(1, nh, T, D, device=self.dev, dtype=self.dtype)
+        kc, vc = self.kv[ai]
+        return {
+            "gdn_mixer": lambda: self.gated_deltanet(gi, x),
+            "gdn_chunk_core": lambda: self.gdn_core(gi, *prep[:5]),
+            "attn_mixer": lambda: self.attention(ai, x),
+            "attn_sdpa": lambda: self._sdpa(q, kc, vc, self.sdpa_gqa),
+            "moe_block": lambda: self.moe(gi, x),
+            "head": lambda: self.head(x[-1:], x[-1:]),
+        }
+
+    # -- FLOPs ------------------------------------------------------------------------------
+
+    def matmul_flops(self) -> dict[str, float]:
+        """The step's matmul FLOPs by part (2 per multiply-add)."""
+        s, T, C = self.s, self.T, self.cached
+        H, HVV = s.hidden, s.v_heads * s.head_v
+        n_attn = sum(s.is_attn(i) for i in range(s.layers))
+        n_gdn = s.layers - n_attn
+        gdn_l = 2 * T * H * (s.conv_dim + HVV + 2 * s.v_heads) + 2 * T * HVV * H
+        qkv = 2 * s.q_heads * s.head_dim + 2 * s.kv_heads * s.head_dim
+        pairs = T * C + T * (T + 1) / 2  # causal (query, key) pairs
+        attn_proj = 2 * T * H * qkv + 2 * T * s.q_heads * s.head_dim * H
+        attn_core = 2 * 2 * s.q_heads * s.head_dim * pairs  # QK^T and PV
+        router = 2 * T * H * s.experts
+        experts = 2 * T * s.top_k * (H * 2 * s.inter + s.inter * H)
+        shared = 2 * T * (H * 2 * s.shared_inter + s.shared_inter * H + H)
+        return {
+            "gdn_projections": n_gdn * gdn_l,
+            "attn_projections": n_attn * attn_proj,
+            "attn_qk_pv": n_attn * attn_core,
+            "moe_router": s.layers * router,
+            "moe_experts": s.layers * experts,
+            "moe_shared": s.layers * shared,
+            "lm_head": 2 * H * s.vocab,
+            # per one layer / block, for the parts' own floors
+            "per_gdn_mixer": gdn_l,
+            "per_attn_mixer": attn_proj + attn_core,
+            "per_attn_sdpa": attn_core,
+            "per_moe_block": router + experts + shared,
+        }
+
+
+def call_moe_prefill(
+    fn: Callable[..., Any], h: torch.Tensor, lw: dict[str, torch.Tensor], top_k: int
+) -> torch.Tensor:
+    """Call ``kernels.moe_prefill`` whatever its exact signature, by parameter name: routing
+    through ``kernels.moe_route`` when it takes top-k weights/ids (as the decode path does),
+    the logits when it takes logits; the shared expert added here unless it takes it."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    shared = (lw["sh_gu"], lw["sh_down"], lw["sh_gate"])
+    avail: dict[str, Any] = {
+        "x": h, "hidden_states": h, "w13": lw["w13"], "w2": lw["w2"], "top_k": top_k,
+        "renormalize": True, "shared": shared, "router_weight": lw["router"],
+        "shared_gate_up": shared[0], "shared_down": shared[1], "shared_gate": shared[2],
+    }  # fmt: skip
+    if {"router_logits", "logits", "gating_output"} & set(params):
+        logits = F.linear(h, lw["router"])
+        avail.update(router_logits=logits, logits=logits, gating_output=logits)
+    if {"topk_weights", "topk_ids"} & set(params):
+        w, ids = kn.moe_route(F.linear(h, lw["router"]), top_k, True)
+        avail.update(topk_weights=w, topk_ids=ids)
+    kwargs = {n: avail[n] for n in params if n in avail}
+    missing = [
+        n for n, p in params.items()
+        if p.default is p.empty and n not in kwargs
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]  # fmt: skip
+    if missing:
+        raise TypeError(f"kernels.moe_prefill{inspect.signature(fn)}: no value for {missing}")
+    out = fn(**kwargs)
+    if not {"shared", "shared_gate_up"} & set(params):
+        out = out + moe_mod.shared_expert(h, *shared)
+    return out
+
+
+def load_fla_chunk() -> tuple[Callable[..., Any] | None, str]:
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule, ""
+    except Exception as exc:  # noqa: BLE001 - recorded as the skip reason
+        return None, f"fla did not import: {type(exc).__name__}: {exc}"[:300]
+
+
+def matmul_tfps(dev: torch.device, dtype: torch.dtype, smoke: bool) -> float:
+    """Large square ``torch.mm`` rate (TF/s), best of the reps: the floor's matmul rate."""
+    n = 256 if smoke else 8192
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    torch.mm(a, b)
+    ms = min(wall_ms(lambda: torch.mm(a, b), 2 if smoke else 20, dev))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def part_ms(fn: Callable[[], Any], dev: torch.device, smoke: bool) -> float:
+    fn()
+    return statistics.median(wall_ms(fn, 1, dev, reps=2 if smoke else 3))
+
+
+def run_prefill_variant(
+    m: PrefillStep, variant: str, fla: Callable[..., Any] | None, args: argparse.Namespace,
+    tfps: float, refs: dict[tuple[int, int], torch.Tensor],
+) -> dict[str, Any]:  # fmt: skip
+    dev, T = m.dev, m.T
+    saved = [t.clone() for t in m.states()]
+
+    def restore() -> None:
+        for t, c in zip(m.states(), saved, strict=True):
+            t.copy_(c)
+
+    key = (m.T, m.cached)
+    if key not in refs:  # one PyTorch-ops step per case, from the same states
+        kn.set_backend("torch")
+        m.fla, m.chunk_fn, m.moe_fn = None, gdn.chunk_gated_delta_rule, None
+        refs[key] = m.step().float()
+        restore()
+    ref = refs[key]
+    fused = variant != "torch" and (kn.extension_loaded() or kn._emulated)
+    kn.set_backend("cuda" if fused else "torch")
+    m.fla = fla if variant == "fla" else None
+    kfn = getattr(kn, "chunk_gated_delta_rule", None)
+    m.chunk_fn = kfn if variant == "cuda" and kfn is not None else gdn.chunk_gated_delta_rule
+    mfn = getattr(kn, "moe_prefill", None)
+    m.moe_fn = mfn if variant != "torch" and mfn is not None else None
+    res: dict[str, Any] = {"backend": kn.backend_for(m.x), "attn_sdpa_gqa": m.sdpa_gqa}
+    if kn._emulated and res["backend"] == "cuda":
+        res["backend"] = "cuda (CPU emulation)"
+    res["gdn_chunk_impl"] = (
+        "fla.chunk_gated_delta_rule" if m.fla is not None
+        else f"{m.chunk_fn.__module__.rsplit('.', 1)[-1]}.chunk_gated_delta_rule"
+    )  # fmt: skip
+    res["moe_impl"] = "kernels.moe_prefill" if m.moe_fn else "moe.sparse_moe_block"
+    kn.FUSED_USED.clear()
+    logits = m.step().float()
+    restore()
+    res["fused_ops_used"] = sorted(kn.FUSED_USED)  # the kernels.* ops that took a fused kernel
+    res["logits_finite"] = bool(torch.isfinite(logits).all())
+    res["logits_rel_err_vs_torch"] = float((logits - ref).norm() / ref.norm())
+    for _ in range(args.warmup):
+        m.step()
+    reps = wall_ms(m.step, 1, dev, reps=args.prefill_reps)
+    restore()
+    res["ms"] = statistics.median(reps)
+    res["ms_reps"] = reps
+    res["tokens_per_s"] = T * 1e3 / res["ms"]
+    prof = count_launches(m.step, dev)
+    res["launches"] = prof["launches"]
+    if "device_us" in prof:
+        res["device_ms"] = prof["device_us"] / 1e3
+        res["top_kernels_us"] = prof["top_kernels_us"]
+    elif "compute_ops" in prof:
+        res["compute_ops"] = prof["compute_ops"]
+    fl = m.matmul_flops()
+    total = sum(v for k, v in fl.items() if not k.startswith("per_"))
+    res["matmul_flops"] = fl
+    res["gemm_tflop"] = total / 1e12
+    res["floor_ms"] = total / (tfps * 1e12) * 1e3
+    res["ms_over_floor"] = res["ms"] / res["floor_ms"]
+    parts = {k: part_ms(fn, dev, args.smoke) for k, fn in m.parts().items()}
+    restore()
+    s = m.s
+    n_attn = sum(s.is_attn(i) for i in range(s.layers))
+    count = {"gdn_mixer": s.layers - n_attn, "attn_mixer": n_attn, "moe_block": s.layers,
+             "head": 1, "gdn_chunk_core": s.layers - n_attn, "attn_sdpa": n_attn}  # fmt: skip
+    res["parts_ms"] = parts
+    res["parts_step_share"] = {k: parts[k] * count[k] / res["ms"] for k in parts}
+    res["parts_floor_ms"] = {
+        "gdn_mixer": fl["per_gdn_mixer"] / (tfps * 1e9),
+        "attn_mixer": fl["per_attn_mixer"] / (tfps * 1e9),
+        "attn_sdpa": fl["per_attn_sdpa"] / (tfps * 1e9),
+        "moe_block": fl["per_moe_block"] / (tfps * 1e9),
+    }
+    # the rest of the step: 2 norms per layer, the residual adds, the final norm
+    res["rest_ms"] = res["ms"] - sum(parts[k] * count[k] for k in
+                                     ("gdn_mixer", "attn_mixer", "moe_block", "head"))  # fmt: skip
+    return res
+
+
+def target_estimate(
+    row: dict[str, Any], tfps: float, bw: float, card: dict[str, Any]
+) -> dict[str, float]:
+    """Paper estimate of one measured step on the target card: the GEMM-floor part scaled by
+    the matmul rates, the rest (memory-bound elementwise work, gathers, the GDN core) by the
+    copy bandwidths, and never below the host's launch time at the card's per-launch cost."""
+    rate = card["peak_fp16_TFps"] * card["matmul_efficiency"]
+    floor = row["floor_ms"]
+    gemm = floor * tfps / rate
+    rest = max(row["ms"] - floor, 0.0) * bw / card["copy_GBps"]
+    launches = row["launches"] * card["launch_us"] / 1e3
+    ms = max(gemm + rest, launches)
+    return {"ms": ms, "tokens_per_s": row["tokens"] * 1e3 / ms, "gemm_part_ms": gemm,
+            "rest_part_ms": rest, "launch_bound_ms": launches,
+            "gemm_floor_ms": row["gemm_tflop"] * 1e12 / (rate * 1e12) * 1e3}  # fmt: skip
+
+
+def replay_lengths() -> dict[str, Any]:
+    """Per-request prompt and cached tokens of replay881 (the cache simulator's run at the
+    shipped mnbt 8192, no checkpoints), else PLATFORM.md's summary figures."""
+    try:
+        d = json.loads(REPLAY_SIM.read_text())
+        run = next(r for r in d["runs"]
+                   if r["config"]["mnbt"] == 8192 and not r["config"]["checkpoint"])  # fmt: skip
+        recs = [r for r in run["records"] if r.get("status") == "ok"]
+        return {
+            "source": f"{REPLAY_SIM.relative_to(REPO)} (cache_sim.py, replay881 seed 0, "
+            f"mnbt 8192, simulated platform prefix cache, hit {run['hit']:.3f})",
+            "prompt": [r["prompt_tokens"] for r in recs],
+            "cached": [r["cached_tokens"] for r in recs],
+        }
+    except Exception as exc:  # noqa: BLE001 - fall back to the platform's figures
+        return {"source": f"PLATFORM.md replay figures ({type(exc).__name__} reading "
+                f"{REPLAY_SIM.name})", "summary": REPLAY_PLATFORM}  # fmt: skip
+
+
+def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any]) -> dict[str, Any]:
+    """TTFT (prefill time only) of the replay's prompts from the fresh-prompt rows of the
+    best-measured variant: per-token cost ``a`` and attention cost ``b`` per causal pair fitted
+    to ``t(T) = a T + b T^2 / 2`` (least squares; ``b >= 0``); a request with ``C`` cached and
+    ``N`` new tokens takes ``a N + b (N C + N^2 / 2)``."""
+    import numpy as np
+    from perf_metrics import percentile
+
+    fresh = [r for r in rows if r.get("mode") == "fresh" and "ms" in r and "target" in r]
+    by_v: dict[str, list[dict[str, Any]]] = {}
+    for r in fresh:
+        by_v.setdefault(r["variant"], []).append(r)
+    if not by_v:
+        return {"error": "no fresh-prompt row measured"}
+    # the variant with the best tokens/s at the longest length it measured
+    variant = max(by_v, key=lambda v: max(by_v[v], key=lambda r: r["tokens"])["tokens_per_s"])
+    pts = by_v[variant]
+    out: dict[str, Any] = {
+        "variant": variant, "card": card, "model": {},
+        "gate_ttft_p90_s": 5.0,  # PLATFORM.md, "Score": TTFT P90 <= 5 s
+        "left_out": "the TP4 all-reduces (81 per step; the card's link speed is not known), "
+        "chunked scheduling (mnbt 8192: every further chunk re-reads the ~16.2 GB of weights, "
+        "~28 ms at 584 GB/s), the first decode step, queueing (replay concurrency 1), "
+        "the vision tower",
+    }  # fmt: skip
+    lens = replay_lengths()
+    out["lengths_source"] = lens["source"]
+    qs = (50, 90, 99, 100)
+    for where, key in (("measured", None), ("target", "target")):
+        T = np.array([r["tokens"] for r in pts], dtype=float)
+        t = np.array([(r[key]["ms"] if key else r["ms"]) / 1e3 for r in pts])
+        a, b = float(np.sum(t * T) / np.sum(T * T)), 0.0
+        if len(pts) >= 2:
+            A = np.stack([T, T * T / 2], 1)
+            (a2, b2), *_ = np.linalg.lstsq(A, t, rcond=None)
+            if b2 >= 0 and a2 >= 0:
+                a, b = float(a2), float(b2)
+        out["model"][where] = {"a_s_per_token": a, "b_s_per_pair": b}
+
+        def ttft(n: float, c: float, a: float = a, b: float = b) -> float:
+            return a * n + b * (n * c + n * n / 2)
+
+        if "prompt" in lens:
+            P, Cc = lens["prompt"], lens["cached"]
+            cold = [ttft(p, 0) for p in P]
+            warm = [ttft(p - c, c) for p, c in zip(P, Cc, strict=True)]
+            new = [p - c for p, c in zip(P, Cc, strict=True)]
+            res = {
+                "prompt_tokens": {f"p{q}": percentile(P, q) for q in qs},
+                "uncached_tokens": {f"p{q}": percentile(new, q) for q in qs},
+                "ttft_cold_s": {f"p{q}": percentile(cold, q) for q in qs},
+                "ttft_with_cache_s": {f"p{q}": percentile(warm, q) for q in qs},
+            }  # fmt: skip
+        else:
+            sm = lens["summary"]
+            res = {"prompt_tokens": sm,
+                   "ttft_cold_s": {k: ttft(v, 0) for k, v in sm.items()}}  # fmt: skip
+        out[where] = res
+    return out
+
+
+def render_prefill(results: dict[str, Any]) -> str:
+    m = results["meta"]
+    card = results["target_card"]
+    head = [
+        f"prefill step, one TP4 rank ({m['shapes']['layers']} layers), {m['device']}, "
+        f"torch {m['torch']}, {m['dtype']}, commit {m['commit'][:12]}",
+        f"{m['dtype']} matmul {_f(results.get('matmul_TFps'), '.4g')} TF/s (torch.mm, this run); "
+        f"copy {_f(results.get('copy_GBps'), '.0f')} GB/s; all-reduce left out: "
+        f"{m['allreduce_left_out_per_step']} per step",
+    ]
+    cols = ["T", "cached", "variant", "ms", "dev ms", "tok/s", "GEMM TF", "floor ms", "x floor",
+            "gdn mix", "chunk", "attn mix", "sdpa", "moe", "rest", "err vs torch",
+            "BI-V100 ms", "BI tok/s"]  # fmt: skip
+    rows = [cols]
+    for c in results["cases"]:
+        lead = [str(c["tokens"]), str(c["cached"]), c["variant"]]
+        if "ms" not in c:
+            rows.append(lead + [f"({c.get('skipped') or c.get('error', '?')})"[:100]])
+            continue
+        p, t = c["parts_ms"], c.get("target", {})
+        rows.append(lead + [
+            _f(c["ms"], ".1f"), _f(c.get("device_ms"), ".1f"), _f(c["tokens_per_s"], ".0f"),
+            _f(c["gemm_tflop"], ".2f"), _f(c["floor_ms"], ".1f"), _f(c["ms_over_floor"], ".2f"),
+            _f(p["gdn_mixer"], ".2f"), _f(p["gdn_chunk_core"], ".2f"), _f(p["attn_mixer"], ".2f"),
+            _f(p["attn_sdpa"], ".2f"), _f(p["moe_block"], ".2f"), _f(c["rest_ms"], ".1f"),
+            _f(c["logits_rel_err_vs_torch"], ".1e"), _f(t.get("ms"), ".0f"),
+            _f(t.get("tokens_per_s"), ".0f"),
+        ])  # fmt: skip
+    full = [r for r in rows if len(r) == len(cols)]
+    widths = [max(len(r[i]) for r in full) for i in range(len(cols))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=False)) for r in rows]
+    lines.append(
+        "parts: ms of ONE gdn mixer (x{g}) / its chunk core / ONE attention mixer (x{a}) / its "
+        "SDPA / ONE MoE block (x{n}); rest = step - parts x counts (norms, residual adds)".format(
+            g=m["shapes"]["layers"] - m["n_attn"], a=m["n_attn"], n=m["shapes"]["layers"]
+        )
+    )
+    for c in results["cases"]:
+        if "top_kernels_us" in c:
+            top = list(c["top_kernels_us"].items())[:6]
+            lines.append(f"top kernels {c['tokens']}/{c['cached']}/{c['variant']} (us): "
+                         + "; ".join(f"{k[:48]} {v:.0f}" for k, v in top))  # fmt: skip
+    lines.append(
+        f"target card (paper): {card['name']}, {card['dtype']}; copy {card['copy_GBps']:.0f} GB/s "
+        f"[{card['copy_GBps_source']}]; fp16 peak {card['peak_fp16_TFps']:.0f} TF/s "
+        f"[{card['peak_fp16_TFps_source']}] x efficiency {card['matmul_efficiency']} "
+        f"[{card['matmul_efficiency_source']}]; {card['launch_us']} us/launch "
+        f"[{card['launch_us_source']}]"
+    )
+    lines.append("BI-V100 ms = GEMM floor x (matmul rate here / card's) + (ms - floor) x (copy "
+                 "GB/s here / card's), at least launches x us/launch")  # fmt: skip
+    tt = results.get("ttft")
+    if tt and "error" not in tt:
+        lines.append(f"TTFT paper estimate (prefill only; variant {tt['variant']}; lengths: "
+                     f"{tt['lengths_source']}; gate: P90 <= {tt['gate_ttft_p90_s']} s; left "
+                     f"out: {tt['left_out']}):")  # fmt: skip
+        for where in ("measured", "target"):
+            mdl = tt["model"][where]
+            lines.append(f"  {where}: t = {mdl['a_s_per_token'] * 1e6:.2f} us/token x N + "
+                         f"{mdl['b_s_per_pair'] * 1e9:.4f} ns/pair x (N C + N^2/2)")  # fmt: skip
+            for name, d in tt[where].items():
+                vals = ", ".join(f"{k} {_f(v, '.2f' if name.endswith('_s') else '.0f')}"
+                                 for k, v in d.items())  # fmt: skip
+                lines.append(f"    {name}: {vals}")
+    elif tt:
+        lines.append(f"TTFT estimate: {tt['error']}")
+    notes = [f"note: {n}" for n in m["notes"]]
+    return "\n".join(head + lines + notes) + "\n"
+
+
+def main_prefill(args: argparse.Namespace, s: Shapes, dev: torch.device, t0: float) -> int:
+    default = "128,192" if args.smoke else "16384,65536"
+    lengths = [int(x) for x in (default if args.prefill == "default" else args.prefill).split(",")]
+    modes = [x for x in args.prefill_modes.split(",") if x]
+    assert set(modes) <= {"fresh", "resume"}, modes
+    variants = [v for v in args.variants.split(",") if v]
+    assert set(variants) <= set(VARIANTS), variants
+    args.prefill_reps = args.prefill_reps or (2 if args.smoke else 3)
+    args.warmup = min(args.warmup, 1)  # a prefill step is long: one warm-up step
+    out = Path(args.out) if args.out else None
+    card = dict(TARGET_CARD)
+    card["peak_fp16_TFps"] = args.target_tflops
+    card["matmul_efficiency"] = args.target_mm_eff
+    torch.manual_seed(0)
+    meta_ = meta(args, s, dev)
+    meta_["notes"] = PREFILL_NOTES
+    meta_["n_attn"] = sum(s.is_attn(i) for i in range(s.layers))
+    meta_["kernels_chunk_gated_delta_rule"] = hasattr(kn, "chunk_gated_delta_rule")
+    meta_["kernels_moe_prefill"] = hasattr(kn, "moe_prefill")
+    results: dict[str, Any] = {"meta": meta_, "cases": [], "target_card": card}
+    if dev.type == "cuda":
+        t = time.time()
+        meta_["extension_loaded"] = kn.extension_loaded()
+        meta_["extension_error"] = kn._load_error
+        meta_["extension_load_s"] = round(time.time() - t, 1)
+    fla, fla_error = load_fla_chunk() if dev.type == "cuda" and "fla" in variants else (None, "")
+    dtype = getattr(torch, args.dtype)
+    results["copy_GBps"] = bw = copy_gbps(dev, args.smoke)
+    results["matmul_TFps"] = tfps = matmul_tfps(dev, dtype, args.smoke)
+    log(f"copy {bw:.0f} GB/s, matmul {tfps:.0f} TF/s; building weights ...")
+    m = PrefillStep(s, dtype, dev)
+
+    def save() -> None:
+        results["meta"]["total_s"] = round(time.time() - t0, 1)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "prefill_step_bench.json").write_text(json.dumps(results, indent=1))
+            (out / "prefill_step_bench.txt").write_text(render_prefill(results))
+
+    cases = [(T, mode, v) for T in lengths for mode in modes for v in variants]
+    refs: dict[tuple[int, int], torch.Tensor] = {}
+    current: tuple[int, int] | None = None
+    for T, mode, v in progress(cases, "prefill_step_bench"):
+        cached = 0 if mode == "fresh" else (args.prefill_cached or T)
+        row: dict[str, Any] = {"tokens": T, "cached": cached, "mode": mode, "variant": v}
+        reason = skip_reason(v, dev, fla_error)
+        if reason is not None and v == "cuda" and args.smoke:
+            reason = None  # the fused variant's dispatch (kernels.* entry points) still runs
+            row["note"] = "CPU smoke: the cuda variant's kernels.* calls on the PyTorch ops"
+        if reason is None and time.time() - t0 > args.budget_s:
+            reason = f"budget: {args.budget_s:.0f} s spent"
+        if reason is not None:
+            row["skipped"] = reason
+        else:
+            try:
+                if current != (T, cached):
+                    refs.clear()
+                    m.set_case(T, cached)
+                    current = (T, cached)
+                row.update(run_prefill_variant(m, v, fla, args, tfps, refs))
+                row["target"] = target_estimate(row, tfps, bw, card)
+                if dev.type == "cuda":
+                    row["max_memory_GB"] = torch.cuda.max_memory_allocated() / 1e9
+                    torch.cuda.reset_peak_memory_stats()
+            except Exception as exc:  # noqa: BLE001 - keep going with the other cases
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                row["traceback"] = traceback.format_exc()[-2000:]
+                m.free_case()
+                refs.clear()
+                current = None
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        results["cases"].append(row)
+        brief = {k: row[k] for k in ("tokens", "cached", "variant", "ms", "tokens_per_s",
+                                     "ms_over_floor", "skipped", "error") if k in row}  # fmt: skip
+        log(json.dumps(brief)[:400])
+        results["ttft"] = ttft_estimate(results["cases"], card)
+        save()
+    m.free_case()
+    results["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    save()
+    print(render_prefill(results), flush=True)
+    return 0
+
+
+def progress(items: list[Any], desc: str = "decode_step_bench") -> Iterable[Any]:
     try:
         from tqdm import tqdm
 
-        return tqdm(items, desc="decode_step_bench", dynamic_ncols=True)
+        return tqdm(items, desc=desc, dynamic_ncols=True)
     except ImportError:
         return items
 
@@ -617,6 +1280,34 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="N: cProfile N eager steps of the first cuda case (where the host time goes)",
     )
+    ap.add_argument(
+        "--prefill",
+        nargs="?",
+        const="default",
+        default=None,
+        help="whole-prefill-step mode: comma list of new-token counts (default 16384,65536; "
+        "smoke 128,192); writes prefill_step_bench.{json,txt}",
+    )
+    ap.add_argument("--prefill-modes", default="fresh,resume", help="subset of fresh,resume")
+    ap.add_argument(
+        "--prefill-cached",
+        type=int,
+        default=0,
+        help="resume: tokens already in the KV cache / GDN states (default: as many as new)",
+    )
+    ap.add_argument("--prefill-reps", type=int, default=0, help="timed steps (default 3)")
+    ap.add_argument(
+        "--target-tflops",
+        type=float,
+        default=TARGET_CARD["peak_fp16_TFps"],
+        help="target card's fp16 matmul peak (paper TTFT estimate)",
+    )
+    ap.add_argument(
+        "--target-mm-eff",
+        type=float,
+        default=TARGET_CARD["matmul_efficiency"],
+        help="fraction of that peak a large GEMM reaches (assumed)",
+    )
     args = ap.parse_args(argv)
     t0 = time.time()
     s = SMOKE if args.smoke else Shapes()
@@ -626,6 +1317,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.emulate:
             kn.enable_cpu_emulation()
         args.warmup = min(args.warmup, 1)
+    if args.prefill:
+        return main_prefill(args, s, dev, t0)
     args.steps = args.steps or (2 if args.smoke else 20)
     batches = [int(b) for b in (args.batches or ("1,2" if args.smoke else "1,8,32")).split(",")]
     ctx_default = "64" if args.smoke else "4096,32768"

@@ -86,3 +86,90 @@ def test_decode_step_bench_emulated_fused_ops(tmp_path: Path) -> None:
     assert fused["logits_finite"] and fused["logits_rel_err_vs_torch"] < 0.1  # bf16 step
     for part in ("gdn_layer", "moe_block"):
         assert 0 < fused["compute_ops"][part] < ref["compute_ops"][part] / 3, (fused, ref)
+
+
+def test_prefill_step_bench_smoke(tmp_path: Path) -> None:
+    """--prefill: the whole prefill step (fresh prompt and resume from cached states) runs on the
+    CPU at tiny shapes, with its GEMM-FLOP floor, part breakdown and the paper TTFT estimate."""
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--prefill", "128,192", "--prefill-cached", "64",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "prefill_step_bench.json").read_text())
+    m = res["meta"]
+    assert m["smoke"] and "--prefill" in m["command"]
+    s = m["shapes"]
+    n_attn = sum((i + 1) % s["attn_every"] == 0 for i in range(s["layers"]))
+    n_gdn = s["layers"] - n_attn
+    assert m["n_attn"] == n_attn >= 1
+    assert 0 < res["matmul_TFps"] and 0 < res["copy_GBps"]
+    card = res["target_card"]
+    assert "BI-V100" in card["name"] and card["copy_GBps"] == 584.0
+    assert all(card[k] for k in ("copy_GBps_source", "peak_fp16_TFps_source",
+                                 "matmul_efficiency_source", "launch_us_source"))  # fmt: skip
+
+    cases = res["cases"]
+    keys = {(c["tokens"], c["mode"], c["variant"]) for c in cases}
+    assert keys == {(t, md, v) for t in (128, 192) for md in ("fresh", "resume") for v in VARIANTS}
+    ran = {(c["tokens"], c["mode"]): c for c in cases if c["variant"] == "torch"}
+    for c in cases:
+        if c["variant"] == "fla":  # no CUDA here: skipped, with the reason
+            assert "ms" not in c and c["skipped"], c
+        if c["variant"] == "cuda":  # the fused variant's calls, served by the PyTorch ops
+            assert "error" not in c and "skipped" not in c, c.get("traceback", c)
+            assert c["backend"] == "torch" and c["note"].startswith("CPU smoke")
+            chunk, moe = m["kernels_chunk_gated_delta_rule"], m["kernels_moe_prefill"]
+            assert c["gdn_chunk_impl"] == f"{'kernels' if chunk else 'gdn'}.chunk_gated_delta_rule"
+            assert c["moe_impl"] == ("kernels.moe_prefill" if moe else "moe.sparse_moe_block")
+            assert c["logits_finite"] and c["logits_rel_err_vs_torch"] < 1e-2
+            assert c["fused_ops_used"] == []
+    for (T, mode), c in ran.items():
+        assert "error" not in c and "skipped" not in c, c.get("traceback", c)
+        assert c["cached"] == (0 if mode == "fresh" else 64)
+        assert c["backend"] == "torch" and c["logits_finite"] is True
+        assert c["gdn_chunk_impl"] == "gdn.chunk_gated_delta_rule"
+        assert c["moe_impl"] == "moe.sparse_moe_block"
+        # the variant's step from restored states repeats the reference step exactly
+        assert c["logits_rel_err_vs_torch"] == 0.0
+        assert math.isfinite(c["ms"]) and 0 < c["ms"] < 60_000
+        assert math.isclose(c["tokens_per_s"], T * 1e3 / c["ms"])
+        # the GEMM FLOPs, counted independently
+        H, E, k, inter, Is = s["hidden"], s["experts"], s["top_k"], s["inter"], s["shared_inter"]
+        conv = 2 * s["k_heads"] * s["head_k"] + s["v_heads"] * s["head_v"]
+        hvv = s["v_heads"] * s["head_v"]
+        qd, kvd = s["q_heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+        C = c["cached"]
+        pairs = T * C + T * (T + 1) / 2
+        flops = (
+            n_gdn * 2 * T * (H * (conv + hvv + 2 * s["v_heads"]) + hvv * H)
+            + n_attn * (2 * T * H * (2 * qd + 2 * kvd) + 2 * T * qd * H + 4 * qd * pairs)
+            + s["layers"] * 2 * T * (H * E + k * 3 * inter * H + 3 * Is * H + H)
+            + 2 * H * s["vocab"]
+        )
+        assert math.isclose(c["gemm_tflop"] * 1e12, flops, rel_tol=1e-9), (c["gemm_tflop"], flops)
+        assert math.isclose(c["floor_ms"], flops / (res["matmul_TFps"] * 1e12) * 1e3)
+        assert math.isclose(c["ms_over_floor"], c["ms"] / c["floor_ms"])
+        p = c["parts_ms"]
+        assert set(p) == {"gdn_mixer", "gdn_chunk_core", "attn_mixer", "attn_sdpa", "moe_block",
+                          "head"} and all(v > 0 for v in p.values())  # fmt: skip
+        assert c["launches"] > 0 and c["compute_ops"] > 0
+        t = c["target"]
+        assert t["ms"] > 0 and math.isclose(t["tokens_per_s"], T * 1e3 / t["ms"])
+    # resuming after 64 cached tokens attends over more keys
+    for T in (128, 192):
+        fr, rs = ran[(T, "fresh")]["matmul_flops"], ran[(T, "resume")]["matmul_flops"]
+        assert rs["attn_qk_pv"] > fr["attn_qk_pv"] and rs["moe_experts"] == fr["moe_experts"]
+
+    tt = res["ttft"]
+    assert tt["variant"] in ("torch", "cuda") and "cache-sim-replay881" in tt["lengths_source"]
+    for where in ("measured", "target"):
+        d = tt[where]
+        assert d["prompt_tokens"]["p50"] < d["prompt_tokens"]["p90"] <= d["prompt_tokens"]["p100"]
+        assert 0 < d["ttft_cold_s"]["p50"] < d["ttft_cold_s"]["p90"]
+        assert d["ttft_with_cache_s"]["p90"] <= d["ttft_cold_s"]["p90"]
+
+    table = (tmp_path / "prefill_step_bench.txt").read_text()
+    assert table.splitlines()[0].startswith("prefill step")
+    assert "BI-V100" in table and "PLATFORM.md" in table and "TTFT" in table
