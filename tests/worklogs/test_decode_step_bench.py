@@ -170,6 +170,12 @@ def test_prefill_step_bench_smoke(tmp_path: Path) -> None:
         assert 0 < d["ttft_cold_s"]["p50"] < d["ttft_cold_s"]["p90"]
         assert d["ttft_with_cache_s"]["p90"] <= d["ttft_cold_s"]["p90"]
 
+    tg = res["target_step"]
+    assert tg["tokens"] == 128 and set(tg["by_variant"]) == {"torch", "cuda"}
+    for c in (c for c in cases if c["tokens"] == 128 and c["mode"] == "fresh" and "ms" in c):
+        assert tg["by_variant"][c["variant"]]["ms_over_floor"] == c["ms_over_floor"]
+
     table = (tmp_path / "prefill_step_bench.txt").read_text()
     assert table.splitlines()[0].startswith("prefill step")
+    assert "issue 15 target, fresh step of 128 tokens" in table
     assert "BI-V100" in table and "PLATFORM.md" in table and "TTFT" in table
