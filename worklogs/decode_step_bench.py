@@ -269,9 +269,11 @@ class DecodeStep:
 
     def moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
         lw = self.layers[i]
-        weights, ids = kn.moe_route(F.linear(h, lw["router"]), self.s.top_k, True)
         shared = (lw["sh_gu"], lw["sh_down"], lw["sh_gate"])
-        return kn.moe_decode(h, weights, ids, lw["w13"], lw["w2"], shared=shared)
+        # As the engine (native_moe_experts): routing inside the experts' up kernel.
+        return kn.moe_decode_routed(
+            h, F.linear(h, lw["router"]), self.s.top_k, True, lw["w13"], lw["w2"], shared
+        )
 
     def layer(
         self, i: int, x: torch.Tensor, res: torch.Tensor | None
@@ -632,8 +634,10 @@ TARGET_CARD = {
     "copy_GBps": 584.0,
     "copy_GBps_source": "/work/shared/PLATFORM.md (measured copy bandwidth)",
     "peak_fp16_TFps": 147.0,
-    "peak_fp16_TFps_source": "Iluvatar's public BI-V100 spec sheet (147 TFLOPS fp16); not in "
-    "PLATFORM.md and not measured by anyone here -- an assumption",
+    "peak_fp16_TFps_source": "vendor figure as reported at launch (147 TFLOPS fp16/bf16, 37 fp32, "
+    "32 GB HBM2 at 1.2 TB/s): https://geektopia.es/es/technology/2021/04/05/noticias/amp/"
+    "la-empresa-china-tianshu-zhixin-empieza-la-produccion-de-su-gpgpu-a-7-nm-alcanza-los-37-"
+    "tflops.html (via TechPowerUp); not in PLATFORM.md, not measured here -- an assumption",
     "matmul_efficiency": 0.5,
     "matmul_efficiency_source": "assumption (fraction of the fp16 peak a large GEMM reaches; "
     "no measurement on the card is known)",

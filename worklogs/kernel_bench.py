@@ -426,6 +426,30 @@ class Bench:
             if self.dev.type == "cuda" and tp == 4 and T == 16384 and mode == "native_tf32":
                 res["profile_native_tf32"] = profile_table(fn, n=3)
 
+        if kernels.use_cuda(q):
+            # The fused chunk kernels (csrc/gdn_chunk.cu): three launches, l2 norm fused.
+            def fused() -> tuple[torch.Tensor, torch.Tensor | None]:
+                return kernels.chunk_gated_delta_rule(
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    initial_state=h0,
+                    output_final_state=True,
+                    cu_seqlens=cu,
+                    use_qk_l2norm_in_kernel=True,
+                )
+
+            o, fin = fused()
+            res["fused_err"] = rel(o[0], ro)
+            res["fused_state_err"] = rel(fin, rfin)
+            del o, fin
+            res["fused"] = self.timer.both([fused], 50.0)
+            log(f"  fused: {res['fused']} err {res['fused_err']:.2e}")
+            if self.dev.type == "cuda" and tp == 4 and T == 16384:
+                res["profile_fused"] = profile_table(fused, n=3)
+
         if self.fla is not None:
             chunk = self.fla[0]
             cu_cpu = cu.cpu()
@@ -805,7 +829,49 @@ class Bench:
             o = native("loop")()
             res["native_loop_err_first256"] = rel(o[:sub], ref)
             res["native_loop"] = {"eager_ms": self.timer.eager([native("loop")], 50.0)}
+        if self.dev.type == "cuda" and kernels.use_cuda(x):
+            self.moe_prefill_fused(res, x, logits, w13, w2, k, ref, flops, with_loop)
         return res
+
+    def moe_prefill_fused(
+        self,
+        res: dict[str, Any],
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        k: int,
+        ref: torch.Tensor,
+        flops: float,
+        with_loop: bool,
+    ) -> None:
+        """The fused prefill kernels (kernels.moe_prefill, routing included) and their stages."""
+        sub = ref.shape[0]
+
+        def fused(method: str) -> Callable[[], torch.Tensor]:
+            return lambda: kernels.moe_prefill(x, logits, k, True, w13, w2, None, method)
+
+        res["fused_grouped_err_first256"] = rel(fused("grouped")()[:sub], ref)
+        res["fused_grouped"] = self.timer.both([fused("grouped")], 50.0)
+        ms = res["fused_grouped"].get("graph_ms") or res["fused_grouped"]["eager_ms"]
+        res["fused_grouped_TFps"] = flops / (ms * 1e-3) / 1e12
+        if res["tp"] == 4:
+            res["profile_fused"] = profile_table(fused("grouped"), n=3)
+        ops = torch.ops.vo_kernels
+        w, ids, counts, slot = ops.moe_route_count(logits, k, True)
+        xs, ws, inverse, ends = ops.moe_permute(x, w, ids, counts, slot)
+        h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
+        y = torch._grouped_mm(ops.moe_act(h, ws), w2.transpose(1, 2), offs=ends)
+        stages: list[tuple[str, Callable[[], Any]]] = [
+            ("route_count", lambda: ops.moe_route_count(logits, k, True)),
+            ("permute", lambda: ops.moe_permute(x, w, ids, counts, slot)),
+            ("act", lambda: ops.moe_act(h, ws)),
+            ("combine", lambda: ops.moe_combine(y, inverse, k, None, None)),
+        ]
+        res["fused_stages_eager_ms"] = {n: self.timer.eager([fn], 20.0) for n, fn in stages}
+        if with_loop:
+            res["fused_loop_err_first256"] = rel(fused("loop")()[:sub], ref)
+            res["fused_loop"] = {"eager_ms": self.timer.eager([fused("loop")], 50.0)}
 
     # -- plan ------------------------------------------------------------------------------------
 
@@ -974,7 +1040,7 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
         kind = c.get("kind")
         if kind == "gdn_prefill":
             base = c.get("fla")
-            for mode in ("native_tf32", "native_tf32_trsm", "native_fp32"):
+            for mode in ("fused", "native_tf32", "native_tf32_trsm", "native_fp32"):
                 if mode not in c:
                     continue
                 nb, bb = _best(c.get(mode)), _best(base)
@@ -1090,6 +1156,39 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                     tgt,
                 ]
             )
+            if "fused_grouped" in c:
+                ft = c["fused_grouped_TFps"]
+                rows.append(
+                    [
+                        f"MoE prefill tp{c['tp']} T={c['T']}",
+                        "-",
+                        "-",
+                        "fused (route/permute/act/combine kernels) + grouped GEMMs",
+                        _ms(c["fused_grouped"]),
+                        f"{_best(c['fused_grouped']) / _best(c.get('gemms_alone')):.2f}x"
+                        if _best(c.get("gemms_alone"))
+                        else "-",
+                        f"{c['floor_ms']:.3f}",
+                        "-",
+                        _err(c.get("fused_grouped_err_first256")),
+                        ("MET" if ft >= 250 else "not met") + f" (>=250 TF/s: {ft:.0f})",
+                    ]
+                )
+            if "fused_loop" in c:
+                rows.append(
+                    [
+                        f"MoE prefill tp{c['tp']} T={c['T']}",
+                        "-",
+                        "-",
+                        "fused + per-expert mm (no grouped GEMM)",
+                        _ms(c["fused_loop"]),
+                        "-",
+                        f"{c['floor_ms']:.3f}",
+                        "-",
+                        _err(c.get("fused_loop_err_first256")),
+                        "fallback path",
+                    ]
+                )
             if "native_loop" in c:
                 rows.append(
                     [

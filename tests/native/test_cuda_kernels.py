@@ -279,6 +279,36 @@ def test_moe_decode_vs_reference_and_torch(
     _check(r["cuda"][0].cpu(), r["torch"][0].cpu(), ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("kdev,T", cases([1, 8, 32], [3]), indirect=["kdev"])
+def test_moe_decode_routed_equals_route_then_decode(
+    kdev: str, dtype: torch.dtype, renormalize: bool, T: int
+) -> None:
+    """Routing inside the up kernel gives the very same experts, weights and output as the
+    separate routing launch (bit for bit: the same arithmetic), ties included, with and without
+    the shared expert."""
+    # TP4 shapes on the GPU; under emulation small ones (every up block routes its token).
+    E, H, I, k = (256, 2048, 128, 8) if kdev == "cuda" else (16, 256, 16, 4)  # noqa: E741
+    w13, w2 = _moe_weights(E, H, I, dtype, kdev)
+    x = torch.randn(T, H, device=kdev).to(dtype)
+    logits = torch.randn(T, E, device=kdev).to(dtype)
+    logits[0] = torch.randint(-2, 3, (E,), device=kdev).to(dtype)  # exact ties
+    sw13, sw2 = _moe_weights(1, H, I, dtype, kdev)
+    sh = (sw13[0], sw2[0], (torch.randn(1, H, device=kdev) * H**-0.5).to(dtype))
+    for shared in (None, sh):
+        kernels.FUSED_USED.discard("moe_decode_routed")
+        out = kernels.moe_decode_routed(x, logits, k, renormalize, w13, w2, shared)
+        assert "moe_decode_routed" in kernels.FUSED_USED
+        w, ids = kernels.moe_route(logits, k, renormalize)
+        assert torch.equal(out, kernels.moe_decode(x, w, ids, w13, w2, shared))
+        s13, s2, sg = shared if shared is not None else (None, None, None)
+        _, w_r, ids_r = torch.ops.vo_kernels.moe_decode_routed(
+            x, logits, k, renormalize, w13, w2, s13, s2, sg
+        )
+        assert torch.equal(ids_r, ids) and torch.equal(w_r, w)
+
+
 @pytest.mark.parametrize(
     "kdev", [pytest.param("emu64", marks=emu), pytest.param("cuda", marks=gpu)], indirect=True
 )

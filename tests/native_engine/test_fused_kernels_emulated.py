@@ -3,7 +3,7 @@
 With ``NATIVE_KERNELS=emulate`` the CPU server runs the fused kernels' own CUDA source on host
 threads (``csrc/cpu_emulation.h``) wherever a GPU would run them -- the GDN decode step on
 vLLM's conv / SSM cache slots, the gated and ``(1 + w)`` norms, MoE routing and the routed
-experts, the attention layers' q/k norm + RoPE -- so the wiring (cache views, slot indices, padded batches, dtypes) is checked against
+experts (decode and the 500-token prompt's prefill), the attention layers' q/k norm + RoPE -- so the wiring (cache views, slot indices, padded batches, dtypes) is checked against
 the transformers oracle in float32, as the PyTorch path is in ``test_native_oracle.py``.
 Speed means nothing here (each emulated launch runs its blocks on fibers).
 """
@@ -57,6 +57,6 @@ def test_fused_kernels_served_the_engine(url: str, oracle: dict[str, Any]) -> No
         assert key in used, f"{key} not reported as used: {used}"
     # ... and each of them ran on the fused kernels, not their PyTorch fallbacks.
     for op in ("gdn_decode", "rms_norm_gated", "gemma_rms_norm", "moe_route", "moe_decode",
-               "qk_norm_rope_gate"):  # fmt: skip
+               "moe_prefill", "qk_norm_rope_gate"):  # fmt: skip
         assert f"fused_{op}" in used, f"{op} did not run on the fused kernels: {used}"
     assert "Traceback" not in text

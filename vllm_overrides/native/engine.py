@@ -312,11 +312,11 @@ def gdn_forward_core(
             ckpt = gdn_checkpoint.prefill_checkpoints(md, nd, npf)
             if ckpt is not None:
                 o, final = gdn_checkpoint.chunk_rule_with_checkpoints(
-                    gdn.chunk_gated_delta_rule, q, k, v, g, beta, h0, qsl, ckpt[0], ckpt[1],
+                    kernels.chunk_gated_delta_rule, q, k, v, g, beta, h0, qsl, ckpt[0], ckpt[1],
                     mixed_qkv[ndt:n], conv_state, ssm_state,
                 )  # fmt: skip
             else:
-                o, final = gdn.chunk_gated_delta_rule(
+                o, final = kernels.chunk_gated_delta_rule(
                     q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
                     beta.unsqueeze(0), initial_state=h0, output_final_state=True,
                     cu_seqlens=qsl, use_qk_l2norm_in_kernel=False,
@@ -537,8 +537,9 @@ def _routed_experts(
     w2: torch.Tensor,
 ) -> torch.Tensor:
     if bucket == "prefill":
-        topk_w, topk_ids = moe.route(logits, block._vo_top_k, block._vo_renormalize)
-        return moe.moe_experts_prefill(x, topk_w, topk_ids, w13, w2)
+        # Fused routing / expert order / activation / combine around the expert GEMMs where
+        # the extension serves this device, else moe.route + moe.moe_experts_prefill.
+        return kernels.moe_prefill(x, logits, block._vo_top_k, block._vo_renormalize, w13, w2)
     topk_w, topk_ids = kernels.moe_route(logits, block._vo_top_k, block._vo_renormalize)
     if MOE_DECODE_NATIVE:
         if moe.grouped_mm_available(x.device, x.dtype):
@@ -563,8 +564,9 @@ def native_moe_experts(
     x: torch.Tensor, router_logits: torch.Tensor, layer_name: str
 ) -> torch.Tensor:
     """Routed and shared experts of one layer (no all-reduce), for CUDA-like devices: at decode
-    sizes, where the fused kernels serve, routing + both expert kinds are 3 launches (the shared
-    expert rides along as one more expert); otherwise the routed op plus upstream's shared
+    sizes, where the fused kernels serve, routing + both expert kinds are 2 launches (routing in
+    the up kernel; the shared expert rides along as one more expert); at prefill sizes the fused
+    prefill kernels around the expert GEMMs; otherwise the routed op plus upstream's shared
     expert module."""
     block = _MOE_BLOCKS[layer_name]
     if x.shape[0] <= MOE_DECODE_MAX_TOKENS and not MOE_DECODE_NATIVE and kernels.use_cuda(x):
@@ -573,10 +575,21 @@ def native_moe_experts(
         _mark("moe_decode_native_fused")
         report_usage()
         with _range("vo.moe.decode.fused"):
-            topk_w, topk_ids = kernels.moe_route(
-                router_logits, block._vo_top_k, block._vo_renormalize
-            )
-            return kernels.moe_decode(x, topk_w, topk_ids, *weights, _shared_weights(block))
+            return kernels.moe_decode_routed(
+                x, router_logits, block._vo_top_k, block._vo_renormalize, *weights,
+                _shared_weights(block),
+            )  # fmt: skip
+    if x.shape[0] > MOE_DECODE_MAX_TOKENS and kernels.use_cuda(x):
+        weights = _expert_weights(block)
+        assert weights is not None
+        _mark("moe_prefill_native_fused")
+        report_usage()
+        with _range("vo.moe.prefill.fused"):
+            # The shared expert's gate and sum ride in the combine kernel.
+            return kernels.moe_prefill(
+                x, router_logits, block._vo_top_k, block._vo_renormalize, *weights,
+                _shared_weights(block),
+            )  # fmt: skip
     out = native_moe_routed(x, router_logits, layer_name)
     if block.shared_expert is not None:
         out = out + block.shared_expert(x)

@@ -10,6 +10,10 @@ op                     what one call does                                      l
 ``gdn_decode``         conv-state update + SiLU, q/k L2 norm, gates, the       1
                        delta-rule update of each state in its cache slot, the
                        output (padded / invalid slots skipped)
+``gdn_chunk_prefill``  chunked gated delta rule over packed varlen             4
+                       sequences (:func:`chunk_gated_delta_rule`): chunk
+                       offsets, intra-chunk WY solve, per-sequence state pass,
+                       output; q/k L2 norm fused
 ``rms_norm_gated``     GDN output norm ``rms(x) * w * silu(z)`` per head        1
 ``gemma_rms_norm``     Qwen ``(1 + w)`` RMSNorm, optionally with the residual   1
                        add fused
@@ -18,8 +22,14 @@ op                     what one call does                                      l
                        gate/up GEMV + SiLU-and-mul, down GEMV + weighted sum;
                        the sigmoid-gated shared expert rides along as one more
                        "expert"
+``moe_decode_routed``  ``moe_route`` + ``moe_decode``: the up kernel routes     2
+                       its token itself
 ``qk_norm_rope_gate``  gated attention's q/k ``(1 + w)`` RMSNorm + partial     1
                        NeoX RoPE (plain or interleaved MRoPE) + gate copy
+``moe_prefill``        routing + expert counts, token rows into expert order,   4 + GEMMs
+                       SiLU-and-mul x routing weight, the combine back to token
+                       order with the gated shared expert added (the expert
+                       GEMMs stay ``torch._grouped_mm`` / per-expert ``mm``)
 =====================  ======================================================  ==========
 
 Selection (``NATIVE_KERNELS``, read at import; :func:`set_backend` for tools and tests):
@@ -49,13 +59,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from . import gdn, moe, qk_norm_rope, rmsnorm
 
 logger = logging.getLogger("vllm.vllm_overrides.native")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "native_kernels.cu", CSRC / "module.cpp"]
+SOURCES = [*sorted(CSRC.glob("*.cu")), CSRC / "module.cpp"]
 EXT_NAME = "vo_native_kernels"
 BACKENDS = ("auto", "cuda", "torch", "emulate")
 
@@ -276,6 +287,69 @@ def gdn_decode(
     )  # fmt: skip
 
 
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    core_attn_out: torch.Tensor | None = None,
+    layout: gdn.ChunkLayout | None = None,
+    **kw: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`.gdn.chunk_gated_delta_rule` (same arguments, layouts and results): three fused
+    launches where the kernels support the shapes, else the PyTorch path.
+
+    ``chunk_indices`` / ``chunk_offsets`` / ``layout`` only matter to the PyTorch path (the
+    kernels derive the chunk grid from ``cu_seqlens`` on the device, without a host sync);
+    ``kw`` (``tri_solve``, ``tf32``) is passed to it unchanged.
+    """
+    B_, T_ = q.shape[0], q.shape[1]
+    ok = (
+        use_cuda(q)
+        and q.dim() == 4
+        and k.shape == q.shape
+        and v.dim() == 4
+        and v.shape[:2] == q.shape[:2]
+        and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and k.dtype == v.dtype == q.dtype
+        and v.shape[2] % q.shape[2] == 0
+        and q.shape[3] in (32, 64, 128)
+        and v.shape[3] in (32, 64, 128)
+        and (cu_seqlens is None or B_ == 1)
+        and (initial_state is None or initial_state.shape[1:] == (*v.shape[2:], q.shape[3]))
+    )
+    if not ok:
+        return gdn.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+            chunk_indices, chunk_offsets, use_qk_l2norm_in_kernel, core_attn_out, layout, **kw,
+        )  # fmt: skip
+    _used("gdn_chunk_prefill")
+    H, K = q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    Ttot = B_ * T_
+    if cu_seqlens is None:  # B equal-length rows
+        cu = torch.arange(B_ + 1, device=q.device, dtype=torch.long) * T_
+    else:
+        cu = cu_seqlens.to(q.device)
+    h0 = None if initial_state is None else initial_state.to(torch.float32)
+    o, final = torch.ops.vo_kernels.gdn_chunk_prefill(
+        q.reshape(Ttot, H, K), k.reshape(Ttot, H, K), v.reshape(Ttot, HV, V),
+        g.reshape(Ttot, HV).float(), beta.reshape(Ttot, HV).float(), cu, h0,
+        K**-0.5 if scale is None else scale, use_qk_l2norm_in_kernel, 0,
+    )  # fmt: skip
+    if core_attn_out is not None:
+        core_attn_out[:Ttot].copy_(o)
+    return o.view(B_, T_, HV, V), (final if output_final_state else None)
+
+
 def _rows_contiguous(t: torch.Tensor) -> bool:
     """Contiguous within a slot (``[HV, V, K]``); the slot stride may be anything (vLLM pads
     mamba pages to the attention page size) that keeps the rows' 16-byte vector loads aligned."""
@@ -336,6 +410,39 @@ def moe_decode(
     return out
 
 
+def moe_decode_routed(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """:func:`moe_route` + :func:`moe_decode` in two launches instead of three: the up kernel
+    routes each block's token itself (the same arithmetic as ``moe_route``, so the same experts,
+    weights and results). Eager decode is launch-bound; this is one launch fewer per layer."""
+    E = w13.shape[0]
+    if (
+        use_cuda(x)
+        and _moe_decode_fits(x, w13, w2, shared)
+        and router_logits.dim() == 2
+        and router_logits.shape == (x.shape[0], E)
+        and router_logits.stride(1) == 1
+        and router_logits.dtype == x.dtype
+        and E <= 1024
+        and 1 <= top_k <= min(E, 64)
+    ):
+        _used("moe_decode_routed")
+        sh_w13, sh_w2, sh_gate = shared if shared is not None else (None, None, None)
+        out, _, _ = torch.ops.vo_kernels.moe_decode_routed(
+            x, router_logits, top_k, renormalize, w13, w2, sh_w13, sh_w2, sh_gate
+        )
+        return out
+    topk_w, topk_ids = moe_route(router_logits, top_k, renormalize)
+    return moe_decode(x, topk_w, topk_ids, w13, w2, shared)
+
+
 def _moe_decode_fits(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -368,6 +475,104 @@ def _moe_decode_fits(
 
 
 _weights_fit: dict[tuple[Any, ...], bool] = {}
+
+
+def moe_prefill(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    method: str = "auto",
+) -> torch.Tensor:
+    """Routed experts of a large batch from the router logits, plus the shared expert when
+    ``shared`` is given: :func:`.moe.route` + :func:`.moe.moe_experts_prefill` (+
+    :func:`.moe.shared_expert`), same results up to rounding.
+
+    Fused: route + expert counts (1 launch + a memset), rows into expert order (1), the two
+    expert GEMMs -- ``torch._grouped_mm`` where the device has it (``method="grouped"``), else
+    one GEMM per non-empty expert slice after one host sync (``"loop"``, what a device without
+    grouped GEMM runs) -- with SiLU-and-mul x routing weight between them (1), and one weighted
+    combine back to token order that also adds the gated shared expert (1).
+
+    Args:
+        x: ``[T, H]``; router_logits: ``[T, E]``.
+        w13: ``[E, 2I, H]``; w2: ``[E, H, I]`` (vLLM's layouts, read in place).
+        shared: ``(gate_up [2Is, H], down [H, Is], gate [1, H] or None)``.
+        method: ``"grouped"``, ``"loop"`` or ``"auto"`` (grouped where it runs).
+
+    Returns:
+        ``[T, H]`` in ``x.dtype`` (this rank's partial sum, before the all-reduce).
+    """
+    if method == "auto":
+        method = "grouped" if moe.grouped_mm_available(x.device, x.dtype) else "loop"
+    if use_cuda(x) and _moe_prefill_fits(x, router_logits, w13, w2, shared, top_k):
+        _used("moe_prefill" if shared is None else "moe_prefill_with_shared")
+        ops = torch.ops.vo_kernels
+        w, ids, counts, slot = ops.moe_route_count(router_logits, top_k, renormalize)
+        xs, ws, inverse, ends = ops.moe_permute(x, w, ids, counts, slot)
+        if method == "grouped":
+            h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
+            y = torch._grouped_mm(ops.moe_act(h, ws), w2.transpose(1, 2), offs=ends)
+        else:
+            y = _expert_loop(xs, ws, ends, w13, w2)
+        sh_out = sh_gate = None
+        if shared is not None:
+            gate_up, down, gate = shared
+            sh_out = F.linear(ops.moe_act(F.linear(x, gate_up), None), down)
+            sh_gate = None if gate is None else F.linear(x, gate)
+        return ops.moe_combine(y, inverse, top_k, sh_out, sh_gate)
+    topk_w, topk_ids = moe.route(router_logits, top_k, renormalize)
+    out = moe.moe_experts_prefill(x, topk_w, topk_ids, w13, w2, method)
+    if shared is not None:
+        out = out + moe.shared_expert(x, *shared)
+    return out
+
+
+def _expert_loop(
+    xs: torch.Tensor, ws: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Both expert GEMMs as one ``mm`` per non-empty expert slice (one host sync for the
+    group ends), the fused activation over all rows in between."""
+    bounds = [0, *ends.tolist()]
+    h = xs.new_empty(xs.shape[0], w13.shape[1])
+    for e in range(w13.shape[0]):
+        if bounds[e] < bounds[e + 1]:
+            torch.mm(xs[bounds[e] : bounds[e + 1]], w13[e].t(), out=h[bounds[e] : bounds[e + 1]])
+    act = torch.ops.vo_kernels.moe_act(h, ws)
+    y = xs.new_empty(xs.shape[0], w2.shape[1])
+    for e in range(w2.shape[0]):
+        if bounds[e] < bounds[e + 1]:
+            torch.mm(act[bounds[e] : bounds[e + 1]], w2[e].t(), out=y[bounds[e] : bounds[e + 1]])
+    return y
+
+
+def _moe_prefill_fits(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+    top_k: int,
+) -> bool:
+    """Rows of x, of the expert activations and of the shared expert's are 16-byte vectors."""
+    vec = 16 // x.element_size()
+    E = w13.shape[0]
+    return (
+        x.dim() == 2
+        and x.is_contiguous()
+        and x.data_ptr() % 16 == 0
+        and x.shape[1] % vec == 0
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and logits.shape[1] == E <= 1024
+        and 1 <= top_k <= min(E, 64)
+        and w13.dtype == w2.dtype == x.dtype
+        and w2.shape[2] % vec == 0
+        and (shared is None or (shared[1].shape[1] % vec == 0 and shared[0].dtype == x.dtype))
+    )
 
 
 def qk_norm_rope_gate(
@@ -429,6 +634,16 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return torch.empty_like(x)
 
+    @torch.library.register_fake(lib + "gdn_chunk_prefill")
+    def _(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
+        l2norm: bool, v_split: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        N = cu_seqlens.shape[0] - 1
+        HV, V = v.shape[1], v.shape[2]
+        return v.new_empty(v.shape), q.new_empty(N, HV, V, q.shape[2], dtype=torch.float32)
+
     @torch.library.register_fake(lib + "moe_route")
     def _(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         T = logits.shape[0]
@@ -440,6 +655,51 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "moe_decode")
     def _(x: torch.Tensor, *args: Any) -> torch.Tensor:
         return torch.empty_like(x)
+
+    @torch.library.register_fake(lib + "moe_decode_routed")
+    def _(
+        x: torch.Tensor, logits: torch.Tensor, top_k: int, *args: Any
+    ) -> tuple[torch.Tensor, ...]:  # noqa: E501
+        T = x.shape[0]
+        return (
+            torch.empty_like(x),
+            x.new_empty(T, top_k, dtype=torch.float32),
+            x.new_empty(T, top_k, dtype=torch.int64),
+        )
+
+    @torch.library.register_fake(lib + "moe_route_count")
+    def _(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, ...]:
+        T, E = logits.shape
+        return (
+            logits.new_empty(T, top_k, dtype=torch.float32),
+            logits.new_empty(T, top_k, dtype=torch.int64),
+            logits.new_empty(E, dtype=torch.int32),
+            logits.new_empty(T, top_k, dtype=torch.int32),
+        )
+
+    @torch.library.register_fake(lib + "moe_permute")
+    def _(
+        x: torch.Tensor,
+        w: torch.Tensor,
+        ids: torch.Tensor,
+        counts: torch.Tensor,
+        slot: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:  # noqa: E501
+        P = ids.numel()
+        return (
+            x.new_empty(P, x.shape[1]),
+            x.new_empty(P, dtype=torch.float32),
+            x.new_empty(P, dtype=torch.int64),
+            x.new_empty(counts.shape[0], dtype=torch.int32),
+        )
+
+    @torch.library.register_fake(lib + "moe_act")
+    def _(h: torch.Tensor, ws: torch.Tensor | None) -> torch.Tensor:
+        return h.new_empty(h.shape[0], h.shape[1] // 2)
+
+    @torch.library.register_fake(lib + "moe_combine")
+    def _(y: torch.Tensor, inverse: torch.Tensor, top_k: int, *args: Any) -> torch.Tensor:
+        return y.new_empty(inverse.shape[0] // top_k, y.shape[1])
 
     @torch.library.register_fake(lib + "qk_norm_rope_gate")
     def _(q_gate: torch.Tensor, k: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:

@@ -1,7 +1,10 @@
-// Test build of native_kernels.cu: the same kernels and host wrappers, run on host threads
-// (cpu_emulation.h) and registered for CPU tensors. Built by kernels.enable_cpu_emulation() for
-// tests/native/test_kernel_emulation.py; never shipped or used by the server.
+// Test build of every kernel source (*.cu) in one unit: the same kernels and host wrappers, run on
+// host threads (cpu_emulation.h) and registered for CPU tensors. Built by
+// kernels.enable_cpu_emulation() for the emulated cases of tests/native/test_*_kernels.py; never
+// shipped or used by the server.
 #define VO_CPU_EMULATION 1
+#include "gdn_chunk.cu"
+#include "moe_prefill.cu"
 #include "native_kernels.cu"
 
 TORCH_LIBRARY_FRAGMENT(vo_kernels, m) {

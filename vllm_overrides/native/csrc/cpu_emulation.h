@@ -164,6 +164,13 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
 }  // namespace vo_emu
 
 inline void __syncthreads() { vo_emu::wait(vo_emu::current->block); }
+// Fibers of one OS thread never interleave inside an expression: a plain read-modify-write.
+template <typename T>
+inline T atomicAdd(T* p, T v) {
+  const T old = *p;
+  *p = old + v;
+  return old;
+}
 inline unsigned long long __activemask() { return ~0ull; }
 
 template <typename T>

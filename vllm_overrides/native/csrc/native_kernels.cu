@@ -9,106 +9,9 @@
 // Each op's contract is its PyTorch path's (vllm_overrides/native/{gdn,moe,rmsnorm}.py); the
 // float64 references and tests/native/test_cuda_kernels.py pin both.
 
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <type_traits>
-
-#ifdef VO_CPU_EMULATION
-// Test build only: the CUDA execution model on host threads (cpu_emulation.h), so CPU CI runs
-// these very kernels, with 64- and 32-lane warps.
-#include "cpu_emulation.h"
-#else
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#define VO_DISPATCH_KEY CUDA
-#define VO_ON_DEVICE(t) (t).is_cuda()
-#define VO_DEVICE_GUARD(t) const c10::cuda::OptionalCUDAGuard vo_guard_((t).device())
-#define VO_DYN_SMEM(type, name) extern __shared__ type name[]
-#define VO_LAUNCH(kernel, grid, block, smem, ...)                                 \
-  do {                                                                           \
-    kernel<<<grid, block, smem, c10::cuda::getCurrentCUDAStream()>>>(__VA_ARGS__); \
-  } while (0)
-#endif
+#include "common.cuh"
 
 namespace {
-
-// float, at::Half and at::BFloat16 only: float64 never reaches the device.
-#define VO_DISPATCH_FLOATS(TYPE, NAME, ...)                          \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                                     \
-                     AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) \
-                         AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__) \
-                             AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
-
-#ifndef VO_BLOCK_THREADS
-#define VO_BLOCK_THREADS 256
-#endif
-constexpr int kBlock = VO_BLOCK_THREADS;  // threads per block in every kernel (a multiple of 64)
-#ifndef VO_GDN_BLOCK_THREADS
-#define VO_GDN_BLOCK_THREADS 512
-#endif
-// GDN decode blocks are larger: one block per (sequence, key head) walks all R * V state rows.
-constexpr int kGdnBlock = VO_GDN_BLOCK_THREADS;
-constexpr int kMaxWarps = 32;  // largest block (1024) / smallest warp we accept (32)
-
-template <typename T>
-__device__ __forceinline__ float to_f(T v) {
-  return static_cast<float>(v);
-}
-
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// Sum over a group of `width` consecutive lanes (width a power of two <= 16: divides every
-// warp size the target and NVIDIA have).
-__device__ __forceinline__ float group_sum(float v, int width) {
-  for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(__activemask(), v, o, width);
-  return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = warpSize / 2; o > 0; o >>= 1) v += __shfl_xor_sync(__activemask(), v, o);
-  return v;
-}
-
-// Block-wide sum of N values per thread (result valid in every thread). `red` holds
-// N * kMaxWarps floats.
-template <int N>
-__device__ __forceinline__ void block_sum(float (&v)[N], float* red) {
-  const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
-  const int nwarps = (blockDim.x + warpSize - 1) / warpSize;
-#pragma unroll
-  for (int i = 0; i < N; ++i) v[i] = warp_sum(v[i]);
-  __syncthreads();  // `red` may still be read by a previous call
-  if (lane == 0) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) red[i * kMaxWarps + warp] = v[i];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    float s = 0.f;
-    for (int w = 0; w < nwarps; ++w) s += red[i * kMaxWarps + w];
-    v[i] = s;
-  }
-}
-
-// 16-byte vector of T (8 halves or 4 floats) converted to float.
-template <typename T>
-struct Vec {
-  static constexpr int N = 16 / sizeof(T);
-  float f[N];
-  __device__ __forceinline__ void load(const T* p) {
-    uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < N; ++i) f[i] = to_f(e[i]);
-  }
-};
 
 // ------------------------------------------------------------------------------------------
 // RMSNorms
@@ -303,56 +206,6 @@ __global__ void gdn_decode_kernel(
 }
 
 // ------------------------------------------------------------------------------------------
-// MoE routing: softmax + top-k (descending, ties to the lower expert index) + renormalise.
-// One block per token.
-// ------------------------------------------------------------------------------------------
-
-template <typename T>
-__global__ void moe_route_kernel(const T* __restrict__ logits, int64_t s_row, int E, int top_k,
-                                 bool renormalize, float* __restrict__ w_out,
-                                 int64_t* __restrict__ id_out) {
-  VO_DYN_SMEM(float, lg);  // E logits
-  __shared__ float sel_v[64];
-  __shared__ int sel_i[64];
-  const int64_t t = blockIdx.x;
-  const int tid = threadIdx.x;
-  for (int e = tid; e < E; e += blockDim.x) {
-    const float v = to_f(logits[t * s_row + e]);
-    lg[e] = v != v ? -INFINITY : v;  // NaN ranks as -inf: the ranks stay a permutation
-  }
-  __syncthreads();
-  // Rank of each expert = how many beat it (larger logit, or equal and a lower index): the
-  // top-k in upstream's order in one pass, no serial arg-max rounds.
-  for (int e = tid; e < E; e += blockDim.x) {
-    const float v = lg[e];
-    int rank = 0;
-    for (int o = 0; o < E; ++o) rank += (lg[o] > v) || (lg[o] == v && o < e);
-    if (rank < top_k) {
-      sel_v[rank] = v;
-      sel_i[rank] = e;
-    }
-  }
-  __syncthreads();
-  // Weights: softmax over the selected logits (renormalised), else the full softmax.
-  const float mx = sel_v[0];
-  float denom[1] = {0.f};
-  if (renormalize) {
-    if (tid == 0)
-      for (int j = 0; j < top_k; ++j) denom[0] += expf(sel_v[j] - mx);
-  } else {
-    __shared__ float red[kMaxWarps];
-    for (int e = tid; e < E; e += blockDim.x) denom[0] += expf(lg[e] - mx);
-    block_sum<1>(denom, red);
-  }
-  if (tid == 0) {
-    for (int j = 0; j < top_k; ++j) {
-      w_out[t * top_k + j] = expf(sel_v[j] - mx) / denom[0];
-      id_out[t * top_k + j] = sel_i[j];
-    }
-  }
-}
-
-// ------------------------------------------------------------------------------------------
 // MoE decode experts. Pairs p = (token t, slot j) for the routed experts, then one pair per
 // token for the shared expert when present. Kernel 1: act[p] = silu(W1 x) * (W3 x), float32,
 // reading the chosen expert's rows in place. Kernel 2: out[t] = sum_j w_j W2[e_j] act[p_j]
@@ -361,14 +214,22 @@ __global__ void moe_route_kernel(const T* __restrict__ logits, int64_t s_row, in
 
 constexpr int kRowsUp = 4;  // gate rows (and as many up rows) per block in kernel 1
 
+// With `logits`, every routed block first routes its token itself (route_token: the same
+// arithmetic as moe_route) and the blocks of column 0 write the pair's weight and expert to
+// w_out / ids (which the down kernel reads): one launch fewer per layer.
 template <typename T>
-__global__ void moe_up_kernel(const T* __restrict__ x, int H, const int64_t* __restrict__ ids,
+__global__ void moe_up_kernel(const T* __restrict__ x, int H, int64_t* __restrict__ ids,
                               int T_, int top_k, const T* __restrict__ w13, int I,
                               const T* __restrict__ sh_w13, int Is,
                               const T* __restrict__ sh_gate, float* __restrict__ act,
-                              float* __restrict__ sh_sig, int act_stride) {
+                              float* __restrict__ sh_sig, int act_stride,
+                              const T* __restrict__ logits, int64_t s_logits, int E,
+                              bool renormalize, float* __restrict__ w_out) {
+  VO_DYN_SMEM(float, lg);  // E router logits (routing blocks only)
   __shared__ float red[2 * kRowsUp * kMaxWarps];
   __shared__ float gred[kMaxWarps];
+  __shared__ float sel_w[64];
+  __shared__ int sel_i[64];
   const int p = blockIdx.y;
   const bool shared = p >= T_ * top_k;
   const int t = shared ? p - T_ * top_k : p / top_k;
@@ -376,7 +237,18 @@ __global__ void moe_up_kernel(const T* __restrict__ x, int H, const int64_t* __r
   const int i0 = blockIdx.x * kRowsUp;
   const bool need_gate = shared && sh_gate != nullptr && blockIdx.x == 0;
   if (i0 >= rows && !need_gate) return;
-  const T* W = shared ? sh_w13 : w13 + ids[p] * (int64_t)(2 * I) * H;
+  int64_t expert = 0;
+  if (!shared && logits != nullptr) {  // block-uniform: route_token's barriers are safe
+    route_token(logits + t * s_logits, E, top_k, renormalize, lg, sel_w, sel_i);
+    expert = sel_i[p % top_k];
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      w_out[p] = sel_w[p % top_k];
+      ids[p] = expert;
+    }
+  } else if (!shared) {
+    expert = ids[p];
+  }
+  const T* W = shared ? sh_w13 : w13 + expert * (int64_t)(2 * I) * H;
   const T* xr = x + (int64_t)t * H;
   constexpr int N = Vec<T>::N;
   float acc[2 * kRowsUp];
@@ -658,35 +530,27 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
-                                             bool renormalize) {
-  TORCH_CHECK(VO_ON_DEVICE(logits) && logits.dim() == 2 && logits.stride(1) == 1,
-              "moe_route: CUDA [T, E] logits with unit stride");
-  const int T = logits.size(0), E = logits.size(1);
-  TORCH_CHECK(top_k >= 1 && top_k <= E && top_k <= 64 && E <= 1024, "moe_route: sizes");
-  VO_DEVICE_GUARD(logits);
-  auto w = at::empty({T, top_k}, logits.options().dtype(at::kFloat));
-  auto ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
-  if (T == 0) return {w, ids};
-  VO_DISPATCH_FLOATS(logits.scalar_type(), "moe_route", [&] {
-    VO_LAUNCH(moe_route_kernel<scalar_t>, T, kBlock, E * sizeof(float),
-        logits.data_ptr<scalar_t>(), logits.stride(0), E, top_k, renormalize,
-        w.data_ptr<float>(), ids.data_ptr<int64_t>());
-  });
-  return {w, ids};
-}
-
-at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& topk_w, const at::Tensor& topk_ids,
-                      const at::Tensor& w13, const at::Tensor& w2,
-                      const c10::optional<at::Tensor>& sh_w13,
-                      const c10::optional<at::Tensor>& sh_w2,
-                      const c10::optional<at::Tensor>& sh_gate) {
+// Routed experts of a few tokens (+ the shared expert): from the routing (topk_w, topk_ids),
+// or, with `logits`, routing inside the up kernel (topk_w / topk_ids are then outputs).
+at::Tensor moe_decode_impl(const at::Tensor& x, at::Tensor tw, at::Tensor ids,
+                           const c10::optional<at::Tensor>& logits, int64_t top_k,
+                           bool renormalize, const at::Tensor& w13, const at::Tensor& w2,
+                           const c10::optional<at::Tensor>& sh_w13,
+                           const c10::optional<at::Tensor>& sh_w2,
+                           const c10::optional<at::Tensor>& sh_gate) {
   TORCH_CHECK(VO_ON_DEVICE(x) && x.dim() == 2 && x.is_contiguous(), "moe_decode: x [T, H]");
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_decode: contiguous weights");
-  TORCH_CHECK(topk_w.scalar_type() == at::kFloat, "moe_decode: float32 weights");
-  const int T = x.size(0), H = x.size(1), k = topk_ids.size(1);
-  const int I = w2.size(2);
+  TORCH_CHECK(tw.scalar_type() == at::kFloat, "moe_decode: float32 weights");
+  const int T = x.size(0), H = x.size(1), k = static_cast<int>(top_k);
+  const int I = w2.size(2), E = w13.size(0);
   TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == H && w2.size(1) == H, "moe_decode: shapes");
+  TORCH_CHECK(tw.size(0) == T && tw.size(1) == k && ids.sizes() == tw.sizes(),
+              "moe_decode: routing [T, top_k]");
+  if (logits.has_value())
+    TORCH_CHECK(logits->dim() == 2 && logits->size(0) == T && logits->size(1) == E &&
+                    logits->stride(1) == 1 && logits->scalar_type() == x.scalar_type() &&
+                    E <= 1024 && k >= 1 && k <= std::min(E, 64),
+                "moe_decode_routed: logits [T, E] like x, unit stride, E <= 1024, top_k <= 64");
   const bool has_sh = sh_w13.has_value() && sh_w2.has_value();
   const int Is = has_sh ? sh_w2->size(1) : 0;
   if (has_sh)
@@ -695,8 +559,6 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& topk_w, const at::T
   const int vec = 16 / x.element_size();
   TORCH_CHECK(H % vec == 0 && I % vec == 0 && Is % vec == 0, "moe_decode: H, I % 16 bytes");
   VO_DEVICE_GUARD(x);
-  auto ids = topk_ids.to(at::kLong).contiguous();
-  auto tw = topk_w.contiguous();
   auto out = at::empty_like(x);
   if (T == 0) return out;
   const int act_stride = std::max(I, Is);
@@ -707,11 +569,13 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& topk_w, const at::T
   VO_DISPATCH_FLOATS(x.scalar_type(), "moe_decode", [&] {
     using T_ = scalar_t;
     dim3 g1((act_stride + kRowsUp - 1) / kRowsUp, P);
-    VO_LAUNCH(moe_up_kernel<T_>, g1, kBlock, 0,
+    VO_LAUNCH(moe_up_kernel<T_>, g1, kBlock, logits.has_value() ? E * sizeof(float) : 0,
         x.data_ptr<T_>(), H, ids.data_ptr<int64_t>(), T, k, w13.data_ptr<T_>(), I,
         has_sh ? sh_w13->data_ptr<T_>() : nullptr, Is,
         has_gate ? sh_gate->data_ptr<T_>() : nullptr, act.data_ptr<float>(),
-        sig.data_ptr<float>(), act_stride);
+        sig.data_ptr<float>(), act_stride,
+        logits.has_value() ? logits->data_ptr<T_>() : nullptr,
+        logits.has_value() ? logits->stride(0) : 0, E, renormalize, tw.data_ptr<float>());
     dim3 g2((H + kRowsDown - 1) / kRowsDown, T);
     const size_t smem = (k + (has_sh ? 1 : 0)) * act_stride * sizeof(float);
     VO_LAUNCH(moe_down_kernel<T_>, g2, kBlock, smem,
@@ -720,6 +584,29 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& topk_w, const at::T
         has_gate ? sig.data_ptr<float>() : nullptr, H, out.data_ptr<T_>());
   });
   return out;
+}
+
+at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& topk_w, const at::Tensor& topk_ids,
+                      const at::Tensor& w13, const at::Tensor& w2,
+                      const c10::optional<at::Tensor>& sh_w13,
+                      const c10::optional<at::Tensor>& sh_w2,
+                      const c10::optional<at::Tensor>& sh_gate) {
+  TORCH_CHECK(topk_ids.dim() == 2, "moe_decode: topk_ids [T, top_k]");
+  // The up kernel only reads ids here; the copy is a no-op for int64 contiguous ids.
+  return moe_decode_impl(x, topk_w.contiguous(), topk_ids.to(at::kLong).contiguous(),
+                         c10::nullopt, topk_ids.size(1), true, w13, w2, sh_w13, sh_w2, sh_gate);
+}
+
+// Routing + routed (+ shared) experts in two launches; also returns the routing.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_decode_routed(
+    const at::Tensor& x, const at::Tensor& logits, int64_t top_k, bool renormalize,
+    const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& sh_w13,
+    const c10::optional<at::Tensor>& sh_w2, const c10::optional<at::Tensor>& sh_gate) {
+  auto tw = at::empty({x.size(0), top_k}, x.options().dtype(at::kFloat));
+  auto ids = at::empty({x.size(0), top_k}, x.options().dtype(at::kLong));
+  auto out = moe_decode_impl(x, tw, ids, logits, top_k, renormalize, w13, w2, sh_w13, sh_w2,
+                             sh_gate);
+  return {out, tw, ids};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_gate(
@@ -786,9 +673,10 @@ TORCH_LIBRARY(vo_kernels, m) {
   m.def("gdn_decode(Tensor qkv, Tensor a, Tensor b, Tensor(a!) conv_state, Tensor conv_weight,"
         " Tensor? conv_bias, Tensor A_log, Tensor dt_bias, Tensor(b!) ssm_state,"
         " Tensor(c!) out, Tensor slots, int num_k_heads, float scale, bool silu) -> ()");
-  m.def("moe_route(Tensor logits, int top_k, bool renormalize) -> (Tensor, Tensor)");
   m.def("moe_decode(Tensor x, Tensor topk_w, Tensor topk_ids, Tensor w13, Tensor w2,"
         " Tensor? sh_w13, Tensor? sh_w2, Tensor? sh_gate) -> Tensor");
+  m.def("moe_decode_routed(Tensor x, Tensor logits, int top_k, bool renormalize, Tensor w13,"
+        " Tensor w2, Tensor? sh_w13, Tensor? sh_w2, Tensor? sh_gate) -> (Tensor, Tensor, Tensor)");
   m.def("qk_norm_rope_gate(Tensor q_gate, Tensor k, Tensor q_weight, Tensor k_weight,"
         " Tensor cos_sin_cache, Tensor positions, float eps, int num_q_heads, int num_kv_heads,"
         " int head_dim, int rotary_dim, int mrope_h, int mrope_w, float norm_beta)"
@@ -800,7 +688,7 @@ TORCH_LIBRARY_IMPL(vo_kernels, VO_DISPATCH_KEY, m) {
   m.impl("gemma_fused_add_rms_norm", &gemma_fused_add_rms_norm);
   m.impl("rms_norm_gated", &rms_norm_gated);
   m.impl("gdn_decode", &gdn_decode);
-  m.impl("moe_route", &moe_route);
   m.impl("moe_decode", &moe_decode);
+  m.impl("moe_decode_routed", &moe_decode_routed);
   m.impl("qk_norm_rope_gate", &qk_norm_rope_gate);
 }

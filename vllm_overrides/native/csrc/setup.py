@@ -1,4 +1,5 @@
-"""Builds the ``vo_native_kernels`` wheel: the fused decode kernels of ``native_kernels.cu``.
+"""Builds the ``vo_native_kernels`` wheel: the fused kernels of ``*.cu``
+(``native_kernels.cu``: decode; ``moe_prefill.cu``, ``gdn_chunk.cu``: prefill).
 
 Run through ``scripts/build_kernels_wheel.sh`` (``pip wheel --no-build-isolation``), in the
 environment whose torch the wheel is for: a torch extension is tied to that torch's version and
@@ -40,7 +41,7 @@ if os.environ.get("VO_KERNELS_CPU_EMULATION") == "1":
 else:
     ext = CUDAExtension(
         "vo_native_kernels",
-        ["native_kernels.cu", "module.cpp"],
+        [*sorted(p.name for p in HERE.glob("*.cu")), "module.cpp"],
         extra_compile_args={"cxx": CXX, "nvcc": NVCC},
     )
 

@@ -1,0 +1,143 @@
+"""The fused MoE prefill kernels (``kernels.moe_prefill``: route + counts, rows into expert order,
+activation, combine with the shared expert) against float64 and the PyTorch path.
+
+Same split as ``test_cuda_kernels.py`` (whose fixtures these tests use): ``cuda`` cases run on a
+GPU through ``scripts/gpu_kernel_tests.sh`` and skip in CPU CI with that reason; ``emu64`` /
+``emu32`` cases run the same kernel source on host threads in CPU CI, at smaller sizes.
+"""
+
+# ruff: noqa: F811 - the `kdev` fixture is imported and then named by the tests that use it
+
+from __future__ import annotations
+
+import pytest
+import torch
+from native_util import rel_err
+from test_cuda_kernels import TOL, _both, _check, _moe_weights, cases, emu, gpu, kdev  # noqa: F401
+
+from vllm_overrides.native import kernels, moe
+from vllm_overrides.native import moe_reference as mref
+
+
+def _ref_by_expert(x, w, ids, w13, w2, shared) -> torch.Tensor:  # noqa: ANN001
+    """float64 routed (+ shared) output computed one expert at a time on x's device (the
+    token-by-token reference is too slow for 16K tokens)."""
+    xd = x.double()
+    out = torch.zeros_like(xd)
+    I = w2.shape[2]  # noqa: E741
+    for e in ids.unique().tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        h = xd[t] @ w13[e].double().t()
+        act = h[:, :I] * torch.sigmoid(h[:, :I]) * h[:, I:]
+        out.index_add_(0, t, (act @ w2[e].double().t()) * w[t, j].double().unsqueeze(1))
+    if shared is not None:
+        gate_up, down, gate = (None if s is None else s.double() for s in shared)
+        Is = down.shape[1]
+        h = xd @ gate_up.t()
+        y = (h[:, :Is] * torch.sigmoid(h[:, :Is]) * h[:, Is:]) @ down.t()
+        out += y if gate is None else torch.sigmoid(xd @ gate.t()) * y
+    return out
+
+
+def _shared(H: int, I: int, dtype: torch.dtype, dev: str, gated: bool = True) -> tuple:  # noqa: E741
+    sw13, sw2 = _moe_weights(1, H, I, dtype, dev)
+    gate = (torch.randn(1, H, device=dev) * H**-0.5).to(dtype) if gated else None
+    return sw13[0], sw2[0], gate
+
+
+@pytest.mark.parametrize("kdev,T", cases([40, 5000], [37]), indirect=["kdev"])
+def test_route_count_places_every_pair_once(kdev: str, T: int) -> None:
+    """Counts are the per-expert pair counts and each expert's slots are 0..count-1 exactly
+    once; weights and ids are ``moe_route``'s (upstream's tie order)."""
+    E, k = (256, 8) if kdev == "cuda" else (32, 4)
+    logits = torch.randn(T, E, device=kdev).to(torch.bfloat16)
+    logits[: T // 2] = torch.randint(-2, 3, (T // 2, E), device=kdev).to(torch.bfloat16)  # ties
+    w, ids, counts, slot = torch.ops.vo_kernels.moe_route_count(logits, k, True)
+    w_ref, ids_ref = moe.route(logits, k, True)
+    assert torch.equal(ids, ids_ref) and rel_err(w, w_ref) <= 1e-6
+    assert torch.equal(counts.long(), torch.bincount(ids.flatten(), minlength=E))
+    for e in range(E):
+        got = slot[ids == e].sort().values
+        assert torch.equal(got.long(), torch.arange(int(counts[e]), device=kdev)), e
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("kdev,T", cases([33, 1000], [37]), indirect=["kdev"])
+def test_moe_prefill_vs_reference_and_torch(
+    kdev: str, dtype: torch.dtype, shared: bool, T: int
+) -> None:
+    # Qwen3.6-35B-A3B at TP4 on the GPU; a small MoE under emulation.
+    E, H, I, k = (256, 2048, 128, 8) if kdev == "cuda" else (16, 64, 32, 4)  # noqa: E741
+    w13, w2 = _moe_weights(E, H, I, dtype, kdev)
+    x = torch.randn(T, H, device=kdev).to(dtype)
+    logits = torch.randn(T, E, device=kdev).to(dtype)
+    logits[1] = logits[0]  # two tokens on the same experts
+    sh = _shared(H, I, dtype, kdev) if shared else None
+    methods = ["loop"] + (["grouped"] if moe.grouped_mm_available(kdev, dtype) else [])
+    for method in methods:
+        r = _both(kernels.moe_prefill, x, logits, k, True, w13, w2, sh, method)
+        w, ids = mref.route_reference(logits.cpu(), k, True)
+        ref = mref.moe_experts_reference(x.cpu(), w, ids, w13.cpu(), w2.cpu())
+        if sh is not None:
+            ref = ref + mref.shared_expert_reference(x.cpu(), *(t.cpu() for t in sh))
+        _check(r["cuda"][0].cpu(), r["torch"][0].cpu(), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kdev", [pytest.param("cuda", marks=gpu)], indirect=True)
+def test_moe_prefill_16k_tokens(kdev: str, dtype: torch.dtype) -> None:
+    """The benchmark's size (16K tokens, TP4 shard) with the gated shared expert, both GEMM
+    methods, against a float64 reference computed expert by expert."""
+    E, H, I, k, T = 256, 2048, 128, 8, 16384  # noqa: E741
+    w13, w2 = _moe_weights(E, H, I, dtype, kdev)
+    x = torch.randn(T, H, device=kdev).to(dtype)
+    logits = torch.randn(T, E, device=kdev).to(dtype)
+    sh = _shared(H, I, dtype, kdev)
+    w, ids = moe.route(logits, k, True)
+    ref = _ref_by_expert(x, w, ids, w13, w2, sh)
+    for method in ("grouped", "loop"):
+        if method == "grouped" and not moe.grouped_mm_available(kdev, dtype):
+            continue
+        r = _both(kernels.moe_prefill, x, logits, k, True, w13, w2, sh, method)
+        _check(r["cuda"][0], r["torch"][0], ref, dtype)
+
+
+ALL_KDEVS = [
+    pytest.param("cuda", marks=gpu),
+    pytest.param("emu64", marks=emu),
+    pytest.param("emu32", marks=emu),
+]
+
+
+@pytest.mark.parametrize("kdev", ALL_KDEVS, indirect=True)
+def test_moe_prefill_empty_experts_ties_and_no_renormalize(kdev: str) -> None:
+    """Most experts get no token (routing confined to a few, with exact ties); the small test
+    model's float32 sizes; the full-softmax weights (renormalize=False)."""
+    E, H, I, k, T = 8, 128, 64, 2, 50  # noqa: E741
+    w13, w2 = _moe_weights(E, H, I, torch.float32, kdev)
+    x = torch.randn(T, H, device=kdev)
+    logits = torch.full((T, E), -30.0, device=kdev)
+    logits[:, 5] = 1.0
+    logits[:, 2] = 1.0  # tie with 5: expert 2 first
+    logits[::3, 7] = 2.0
+    out = kernels.moe_prefill(x, logits, k, False, w13, w2, None, "loop")
+    w, ids = mref.route_reference(logits.cpu(), k, False)
+    assert set(ids.unique().tolist()) == {2, 5, 7}
+    ref = mref.moe_experts_reference(x.cpu(), w, ids, w13.cpu(), w2.cpu())
+    assert rel_err(out.cpu(), ref) <= TOL[torch.float32]
+    assert kernels.FUSED_USED >= {"moe_prefill"}
+
+
+@pytest.mark.parametrize("kdev", ALL_KDEVS[:2], indirect=True)
+def test_moe_prefill_falls_back_where_rows_are_not_vectors(kdev: str) -> None:
+    """H not a whole number of 16-byte vectors: the PyTorch path serves, with the same result."""
+    E, H, I, k, T = 4, 34, 16, 2, 9  # noqa: E741
+    w13, w2 = _moe_weights(E, H, I, torch.float32, kdev)
+    x, logits = torch.randn(T, H, device=kdev), torch.randn(T, E, device=kdev)
+    kernels.FUSED_USED.discard("moe_prefill")
+    out = kernels.moe_prefill(x, logits, k, True, w13, w2, None, "loop")
+    assert "moe_prefill" not in kernels.FUSED_USED
+    w, ids = mref.route_reference(logits.cpu(), k, True)
+    ref = mref.moe_experts_reference(x.cpu(), w, ids, w13.cpu(), w2.cpu())
+    assert rel_err(out.cpu(), ref) <= TOL[torch.float32]

@@ -1,0 +1,153 @@
+// Shared by every kernel source of vo_native_kernels (native_kernels.cu: decode; moe_prefill.cu,
+// gdn_chunk.cu: prefill): the platform switch (CUDA or the host-thread test build), dtype
+// dispatch, block sizes and the reductions.
+//
+// Portability rules (the target is a CUDA-compatible, Triton-less card with 64-lane warps):
+// plain CUDA C++ only -- no Triton, no CUTLASS/CuTe, no inline PTX; no warp size is assumed
+// (reductions loop over `warpSize`, sub-group shuffles use widths <= 16 that divide any warp,
+// and the shuffle mask is `__activemask()`, whose type is the platform's own; every block size
+// is a multiple of 64); float32 accumulation, no float64 anywhere on the device.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#ifdef VO_CPU_EMULATION
+// Test build only: the CUDA execution model on host threads (cpu_emulation.h), so CPU CI runs
+// these very kernels, with 64- and 32-lane warps.
+#include "cpu_emulation.h"
+#else
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#define VO_DISPATCH_KEY CUDA
+#define VO_ON_DEVICE(t) (t).is_cuda()
+#define VO_DEVICE_GUARD(t) const c10::cuda::OptionalCUDAGuard vo_guard_((t).device())
+#define VO_DYN_SMEM(type, name) extern __shared__ type name[]
+#define VO_LAUNCH(kernel, grid, block, smem, ...)                                 \
+  do {                                                                           \
+    kernel<<<grid, block, smem, c10::cuda::getCurrentCUDAStream()>>>(__VA_ARGS__); \
+  } while (0)
+#endif
+
+namespace {
+
+// float, at::Half and at::BFloat16 only: float64 never reaches the device.
+#define VO_DISPATCH_FLOATS(TYPE, NAME, ...)                          \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                     \
+                     AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) \
+                         AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__) \
+                             AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
+
+#ifndef VO_BLOCK_THREADS
+#define VO_BLOCK_THREADS 256
+#endif
+constexpr int kBlock = VO_BLOCK_THREADS;  // threads per block in every kernel (a multiple of 64)
+#ifndef VO_GDN_BLOCK_THREADS
+#define VO_GDN_BLOCK_THREADS 512
+#endif
+// GDN decode blocks are larger: one block per (sequence, key head) walks all R * V state rows.
+constexpr int kGdnBlock = VO_GDN_BLOCK_THREADS;
+constexpr int kMaxWarps = 32;  // largest block (1024) / smallest warp we accept (32)
+
+template <typename T>
+__device__ __forceinline__ float to_f(T v) {
+  return static_cast<float>(v);
+}
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Sum over a group of `width` consecutive lanes (width a power of two <= 16: divides every
+// warp size the target and NVIDIA have).
+__device__ __forceinline__ float group_sum(float v, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(__activemask(), v, o, width);
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = warpSize / 2; o > 0; o >>= 1) v += __shfl_xor_sync(__activemask(), v, o);
+  return v;
+}
+
+// Block-wide sum of N values per thread (result valid in every thread). `red` holds
+// N * kMaxWarps floats.
+template <int N>
+__device__ __forceinline__ void block_sum(float (&v)[N], float* red) {
+  const int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
+  const int nwarps = (blockDim.x + warpSize - 1) / warpSize;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = warp_sum(v[i]);
+  __syncthreads();  // `red` may still be read by a previous call
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) red[i * kMaxWarps + warp] = v[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float s = 0.f;
+    for (int w = 0; w < nwarps; ++w) s += red[i * kMaxWarps + w];
+    v[i] = s;
+  }
+}
+
+// MoE routing of one token by one block: softmax + top-k (descending, ties to the lower expert
+// index, as upstream) + renormalise. `lg` is E floats of scratch (shared memory); on return
+// every thread sees sel_w[0..top_k) (float32 weights) and sel_i[0..top_k) (expert ids).
+template <typename T>
+__device__ __forceinline__ void route_token(const T* __restrict__ row, int E, int top_k,
+                                            bool renormalize, float* __restrict__ lg,
+                                            float* __restrict__ sel_w, int* __restrict__ sel_i) {
+  __shared__ float red[kMaxWarps];
+  const int tid = threadIdx.x;
+  for (int e = tid; e < E; e += blockDim.x) {
+    const float v = to_f(row[e]);
+    lg[e] = v != v ? -INFINITY : v;  // NaN ranks as -inf: the ranks stay a permutation
+  }
+  __syncthreads();
+  // Rank of each expert = how many beat it (larger logit, or equal and a lower index): the
+  // top-k in upstream's order in one pass, no serial arg-max rounds.
+  for (int e = tid; e < E; e += blockDim.x) {
+    const float v = lg[e];
+    int rank = 0;
+    for (int o = 0; o < E; ++o) rank += (lg[o] > v) || (lg[o] == v && o < e);
+    if (rank < top_k) {
+      sel_w[rank] = v;
+      sel_i[rank] = e;
+    }
+  }
+  __syncthreads();
+  // Weights: softmax over the selected logits (renormalised), else the full softmax.
+  const float mx = sel_w[0];
+  float denom[1] = {0.f};
+  if (renormalize) {
+    for (int j = 0; j < top_k; ++j) denom[0] += expf(sel_w[j] - mx);
+  } else {
+    for (int e = tid; e < E; e += blockDim.x) denom[0] += expf(lg[e] - mx);
+    block_sum<1>(denom, red);
+  }
+  __syncthreads();  // every thread has read the selected logits
+  if (tid < top_k) sel_w[tid] = expf(sel_w[tid] - mx) / denom[0];
+  __syncthreads();
+}
+
+// 16-byte vector of T (8 halves or 4 floats) converted to float.
+template <typename T>
+struct Vec {
+  static constexpr int N = 16 / sizeof(T);
+  float f[N];
+  __device__ __forceinline__ void load(const T* p) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) f[i] = to_f(e[i]);
+  }
+};
+
+}  // namespace
