@@ -39,6 +39,12 @@ SIZES = {**GPU_SIZES, **EMU_SIZES}
 TOL_F16 = 3e-3
 
 
+@pytest.fixture(autouse=True)
+def _fused_chunk_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused chunk kernel is opt-in (``GDN_CHUNK_KERNEL=fused``); these tests opt in."""
+    monkeypatch.setattr(kernels, "GDN_CHUNK_FUSED", True)
+
+
 def _lens(name: str) -> list[int]:
     lens = SIZES[name][4]
     if lens is None:
@@ -240,3 +246,20 @@ def test_chunk_prefill_only_empty_sequences(kdev: str, size: str) -> None:
     o, fin = _run(x, True, "cuda")
     assert o.shape == (1, 0, *x["v"].shape[2:])
     assert torch.equal(fin, x["h0"])
+
+
+def test_chunk_prefill_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``GDN_CHUNK_KERNEL=fused`` the PyTorch path serves, whatever the device."""
+    monkeypatch.setattr(kernels, "GDN_CHUNK_FUSED", False)
+    x = _inputs("small", torch.float32, "cpu", True)
+    kernels.FUSED_USED.discard("gdn_chunk_prefill")
+    o, fin = kernels.chunk_gated_delta_rule(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+        cu_seqlens=x["cu"], use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    assert "gdn_chunk_prefill" not in kernels.FUSED_USED
+    o_t, fin_t = gdn.chunk_gated_delta_rule(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+        cu_seqlens=x["cu"], use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    assert torch.equal(o, o_t) and torch.equal(fin, fin_t)

@@ -71,6 +71,9 @@ EXT_NAME = "vo_native_kernels"
 BACKENDS = ("auto", "cuda", "torch", "emulate")
 
 _mode = os.environ.get("NATIVE_KERNELS", "auto").strip().lower() or "auto"
+# The fused GDN chunk prefill is opt-in (GDN_CHUNK_KERNEL=fused) until it beats the PyTorch
+# path: on the H200 at T=16K, TP4 it took 11.9 ms against 2.2 ms (worklogs/LEDGER.md, issue 15).
+GDN_CHUNK_FUSED = os.environ.get("GDN_CHUNK_KERNEL", "torch").strip().lower() == "fused"
 _loaded: bool | None = None  # None: not tried yet
 _emulated = False  # tests: the kernels built for host threads serve CPU tensors
 _emulation_built = False
@@ -304,8 +307,9 @@ def chunk_gated_delta_rule(
     layout: gdn.ChunkLayout | None = None,
     **kw: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`.gdn.chunk_gated_delta_rule` (same arguments, layouts and results): three fused
-    launches where the kernels support the shapes, else the PyTorch path.
+    """:func:`.gdn.chunk_gated_delta_rule` (same arguments, layouts and results): the fused
+    launches where ``GDN_CHUNK_KERNEL=fused`` (:data:`GDN_CHUNK_FUSED`) and the kernels support
+    the shapes, else the PyTorch path.
 
     ``chunk_indices`` / ``chunk_offsets`` / ``layout`` only matter to the PyTorch path (the
     kernels derive the chunk grid from ``cu_seqlens`` on the device, without a host sync);
@@ -313,7 +317,8 @@ def chunk_gated_delta_rule(
     """
     B_, T_ = q.shape[0], q.shape[1]
     ok = (
-        use_cuda(q)
+        GDN_CHUNK_FUSED
+        and use_cuda(q)
         and q.dim() == 4
         and k.shape == q.shape
         and v.dim() == 4
