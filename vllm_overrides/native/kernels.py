@@ -573,7 +573,7 @@ def _moe_prefill_fits(
         and logits.dim() == 2
         and logits.stride(1) == 1
         and logits.shape[1] == E <= 1024
-        and 1 <= top_k <= min(E, 64)
+        and 1 <= top_k <= min(E, 16)  # the prefill routing kernel's lane groups
         and w13.dtype == w2.dtype == x.dtype
         and w2.shape[2] % vec == 0
         and (shared is None or (shared[1].shape[1] % vec == 0 and shared[0].dtype == x.dtype))
