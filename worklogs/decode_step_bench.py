@@ -138,6 +138,11 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# MoE decode: "routed" (the engine's: routing inside the up kernel, 2 launches) or "separate"
+# (routing kernel + experts, 3 launches), for an A/B of the fused routing (--moe-decode).
+MOE_DECODE = "routed"
+
+
 class DecodeStep:
     """Weights of every layer and the states of one (batch, context) case; :meth:`step` runs it."""
 
@@ -270,10 +275,12 @@ class DecodeStep:
     def moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
         lw = self.layers[i]
         shared = (lw["sh_gu"], lw["sh_down"], lw["sh_gate"])
+        logits = F.linear(h, lw["router"])
+        if MOE_DECODE == "separate":  # the routing launch, then the experts (before 279761c)
+            weights, ids = kn.moe_route(logits, self.s.top_k, True)
+            return kn.moe_decode(h, weights, ids, lw["w13"], lw["w2"], shared=shared)
         # As the engine (native_moe_experts): routing inside the experts' up kernel.
-        return kn.moe_decode_routed(
-            h, F.linear(h, lw["router"]), self.s.top_k, True, lw["w13"], lw["w2"], shared
-        )
+        return kn.moe_decode_routed(h, logits, self.s.top_k, True, lw["w13"], lw["w2"], shared)
 
     def layer(
         self, i: int, x: torch.Tensor, res: torch.Tensor | None
@@ -1317,6 +1324,12 @@ def main(argv: list[str] | None = None) -> int:
         help="whole-prefill-step mode: comma list of new-token counts (default 16384,65536; "
         "smoke 128,192); writes prefill_step_bench.{json,txt}",
     )
+    ap.add_argument(
+        "--moe-decode",
+        default="routed",
+        choices=["routed", "separate"],
+        help="MoE decode: routing inside the up kernel (engine) or its own launch",
+    )
     ap.add_argument("--prefill-modes", default="fresh,resume", help="subset of fresh,resume")
     ap.add_argument(
         "--prefill-cached",
@@ -1338,6 +1351,8 @@ def main(argv: list[str] | None = None) -> int:
         help="fraction of that peak a large GEMM reaches (assumed)",
     )
     args = ap.parse_args(argv)
+    global MOE_DECODE
+    MOE_DECODE = args.moe_decode
     t0 = time.time()
     s = SMOKE if args.smoke else Shapes()
     dev = torch.device("cpu" if args.smoke else "cuda")
