@@ -375,7 +375,8 @@ def moe_route(
     logits: torch.Tensor, top_k: int, renormalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`.moe.route`: ``(weights [T, k] float32, ids [T, k] int64)``, same tie order."""
-    if use_cuda(logits) and logits.shape[-1] <= 1024 and top_k <= logits.shape[-1]:
+    # The kernel's lane groups hold up to 16 picks (Qwen3.5 / 3.6 route to 8 of 256).
+    if use_cuda(logits) and logits.shape[-1] <= 1024 and 1 <= top_k <= min(logits.shape[-1], 16):
         _used("moe_route")
         w, ids = torch.ops.vo_kernels.moe_route(logits, top_k, renormalize)
         return w, ids
@@ -436,7 +437,7 @@ def moe_decode_routed(
         and router_logits.stride(1) == 1
         and router_logits.dtype == x.dtype
         and E <= 1024
-        and 1 <= top_k <= min(E, 64)
+        and 1 <= top_k <= min(E, 16)
     ):
         _used("moe_decode_routed")
         sh_w13, sh_w2, sh_gate = shared if shared is not None else (None, None, None)

@@ -97,44 +97,52 @@ __device__ __forceinline__ void block_sum(float (&v)[N], float* red) {
   }
 }
 
-// MoE routing of one token by one block: softmax + top-k (descending, ties to the lower expert
-// index, as upstream) + renormalise. `lg` is E floats of scratch (shared memory); on return
-// every thread sees sel_w[0..top_k) (float32 weights) and sel_i[0..top_k) (expert ids).
-template <typename T>
-__device__ __forceinline__ void route_token(const T* __restrict__ row, int E, int top_k,
-                                            bool renormalize, float* __restrict__ lg,
-                                            float* __restrict__ sel_w, int* __restrict__ sel_i) {
-  __shared__ float red[kMaxWarps];
-  const int tid = threadIdx.x;
-  for (int e = tid; e < E; e += blockDim.x) {
-    const float v = to_f(row[e]);
-    lg[e] = v != v ? -INFINITY : v;  // NaN ranks as -inf: the ranks stay a permutation
-  }
-  __syncthreads();
-  // Rank of each expert = how many beat it (larger logit, or equal and a lower index): the
-  // top-k in upstream's order in one pass, no serial arg-max rounds.
-  for (int e = tid; e < E; e += blockDim.x) {
-    const float v = lg[e];
-    int rank = 0;
-    for (int o = 0; o < E; ++o) rank += (lg[o] > v) || (lg[o] == v && o < e);
-    if (rank < top_k) {
-      sel_w[rank] = v;
-      sel_i[rank] = e;
+// MoE routing of one token by a group of kRouteLanes consecutive lanes (a width that divides
+// every warp size), over its E logits in `row` (NaN already replaced by -inf, so the ranks stay
+// a permutation): top_k rounds of a group arg-max -- larger logit, then the lower expert index,
+// upstream's order -- each lane scanning every kRouteLanes-th logit. O(top_k * E) work per
+// token. Every lane of the group must call it (shuffles). Lane j < top_k gets pair j: its
+// weight (softmax over the selected logits when `renormalize`, else over all E) and expert.
+constexpr int kRouteLanes = 16;
+
+__device__ __forceinline__ void group_topk(const float* __restrict__ row, int E, int top_k,
+                                           bool renormalize, int lane, float& w_out,
+                                           int& e_out) {
+  unsigned long long taken = 0;  // bit i: this lane's i-th logit (e = lane + i * lanes) chosen
+  float mx = 0.f, denom = 0.f, my_v = 0.f;
+  int my_e = 0;
+  for (int j = 0; j < top_k; ++j) {
+    float bv = -INFINITY;
+    int be = 0x7fffffff;
+    for (int e = lane, i = 0; e < E; e += kRouteLanes, ++i) {
+      const float v = row[e];
+      if (!((taken >> i) & 1ull) && (v > bv || (v == bv && e < be))) {
+        bv = v;
+        be = e;
+      }
+    }
+    for (int o = kRouteLanes / 2; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(__activemask(), bv, o, kRouteLanes);
+      const int oe = __shfl_xor_sync(__activemask(), be, o, kRouteLanes);
+      if (ov > bv || (ov == bv && oe < be)) {
+        bv = ov;
+        be = oe;
+      }
+    }
+    if (be % kRouteLanes == lane) taken |= 1ull << (be / kRouteLanes);
+    if (j == 0) mx = bv;
+    if (renormalize) denom += expf(bv - mx);
+    if (lane == j) {
+      my_v = bv;
+      my_e = be;
     }
   }
-  __syncthreads();
-  // Weights: softmax over the selected logits (renormalised), else the full softmax.
-  const float mx = sel_w[0];
-  float denom[1] = {0.f};
-  if (renormalize) {
-    for (int j = 0; j < top_k; ++j) denom[0] += expf(sel_w[j] - mx);
-  } else {
-    for (int e = tid; e < E; e += blockDim.x) denom[0] += expf(lg[e] - mx);
-    block_sum<1>(denom, red);
+  if (!renormalize) {  // the full softmax's denominator
+    for (int e = lane; e < E; e += kRouteLanes) denom += expf(row[e] - mx);
+    denom = group_sum(denom, kRouteLanes);
   }
-  __syncthreads();  // every thread has read the selected logits
-  if (tid < top_k) sel_w[tid] = expf(sel_w[tid] - mx) / denom[0];
-  __syncthreads();
+  w_out = expf(my_v - mx) / denom;
+  e_out = my_e;
 }
 
 // 16-byte vector of T (8 halves or 4 floats) converted to float.

@@ -4,7 +4,8 @@
 // Prefill runs the routed experts as two grouped GEMMs over token rows sorted by expert. Around
 // the GEMMs, four launches replace the PyTorch path's ~20 (sort, inverse permutation, gathers,
 // the three-pass activation, the combine):
-//   1. moe_route_count -- softmax + top-k (upstream's tie order) + renormalise per token, and
+//   1. moe_route_count -- softmax + top-k (upstream's tie order: group_topk in common.cuh) +
+//      renormalise per token, and
 //      each chosen expert's count: every (token, slot) pair takes its place inside its expert's
 //      group through atomic increments (a pair's GEMM row does not depend on where in the group
 //      it sits, so the nondeterministic order inside a group changes no result);
@@ -29,101 +30,50 @@ __device__ __forceinline__ void store_vec(T* p, const float (&f)[Vec<T>::N]) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Decode routing: softmax + top-k (descending, ties to the lower expert index) + renormalise.
-// One block per token (route_token: lowest latency for a few tokens).
+// Routing (group_topk): many tokens per block, one lane group per token. With `counts`
+// (prefill), each chosen expert's count too: a block-local histogram, then one global atomic
+// per (block, expert) instead of one per pair; a pair's slot in its expert's group is the
+// block's base for that expert + its rank inside the block.
 // ------------------------------------------------------------------------------------------
 
 template <typename T>
-__global__ void moe_route_kernel(const T* __restrict__ logits, int64_t s_row, int E, int top_k,
-                                 bool renormalize, float* __restrict__ w_out,
-                                 int64_t* __restrict__ id_out) {
-  VO_DYN_SMEM(float, lg);  // E logits
-  __shared__ float sel_w[64];
-  __shared__ int sel_i[64];
-  const int64_t t = blockIdx.x;
-  route_token(logits + t * s_row, E, top_k, renormalize, lg, sel_w, sel_i);
-  if (threadIdx.x == 0) {
-    for (int j = 0; j < top_k; ++j) {
-      w_out[t * top_k + j] = sel_w[j];
-      id_out[t * top_k + j] = sel_i[j];
-    }
-  }
-}
-
-// Prefill routing + counts, many tokens per block: a group of kRouteLanes lanes per token
-// (a width that divides every warp size), each lane holding every kRouteLanes-th logit in
-// shared memory. top_k rounds of a group arg-max (value, then the lower index, as upstream)
-// select the experts in upstream's order -- O(top_k * E) work per token where the one-block
-// rank of route_token is O(E^2), which at 16K tokens took 0.39 ms on the H200. Counts go
-// through a block-local histogram: one global atomic per (block, expert) instead of one per
-// pair; a pair's slot is its expert's block base + its rank inside the block.
-constexpr int kRouteLanes = 16;
-
-template <typename T>
-__global__ void moe_route_count_kernel(const T* __restrict__ logits, int64_t s_row, int64_t T_,
-                                       int E, int top_k, bool renormalize,
-                                       float* __restrict__ w_out, int64_t* __restrict__ id_out,
-                                       int* __restrict__ counts, int* __restrict__ slot_out) {
+__global__ void moe_route_kernel(const T* __restrict__ logits, int64_t s_row, int64_t T_, int E,
+                                 int top_k, bool renormalize, float* __restrict__ w_out,
+                                 int64_t* __restrict__ id_out, int* __restrict__ counts,
+                                 int* __restrict__ slot_out) {
   VO_DYN_SMEM(float, sm);
   const int tpb = blockDim.x / kRouteLanes;  // tokens per block
-  float* lg = sm;                                             // [tpb][E]
-  int* cnt = reinterpret_cast<int*>(lg + tpb * E);            // [E] block histogram
-  int* base = cnt + E;                                        // [E] block's first slot
+  float* lg = sm;                                   // [tpb][E]
+  int* cnt = reinterpret_cast<int*>(lg + tpb * E);  // [E] block histogram (with counts)
+  int* base = cnt + E;                              // [E] block's first slot
   const int tid = threadIdx.x, lane = tid % kRouteLanes, tok = tid / kRouteLanes;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * tpb + tok;
   const bool live = t < T_;
   float* row = lg + tok * E;
-  for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
+  if (counts != nullptr)
+    for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
   for (int e = lane; e < E; e += kRouteLanes) {
     const float v = live ? to_f(logits[t * s_row + e]) : -INFINITY;
-    row[e] = v != v ? -INFINITY : v;  // NaN ranks as -inf, as in route_token
+    row[e] = v != v ? -INFINITY : v;  // NaN ranks as -inf: the ranks stay a permutation
   }
   __syncthreads();
-  unsigned long long taken = 0;  // bit i: this lane's i-th logit (e = lane + i * lanes) chosen
-  float mx = 0.f, denom = 0.f, my_v = 0.f;
-  int my_e = 0, my_rank = 0;
-  for (int j = 0; j < top_k; ++j) {
-    float bv = -INFINITY;
-    int be = 0x7fffffff;
-    for (int e = lane, i = 0; e < E; e += kRouteLanes, ++i) {
-      const float v = row[e];
-      if (!((taken >> i) & 1ull) && (v > bv || (v == bv && e < be))) {
-        bv = v;
-        be = e;
-      }
-    }
-    for (int o = kRouteLanes / 2; o > 0; o >>= 1) {  // group arg-max, every lane takes part
-      const float ov = __shfl_xor_sync(__activemask(), bv, o, kRouteLanes);
-      const int oe = __shfl_xor_sync(__activemask(), be, o, kRouteLanes);
-      if (ov > bv || (ov == bv && oe < be)) {
-        bv = ov;
-        be = oe;
-      }
-    }
-    if (be % kRouteLanes == lane) taken |= 1ull << (be / kRouteLanes);
-    if (j == 0) mx = bv;
-    if (renormalize) denom += expf(bv - mx);
-    if (lane == j) {  // lane j keeps pair j (top_k <= kRouteLanes)
-      my_v = bv;
-      my_e = be;
-    }
-  }
-  if (!renormalize) {  // the full softmax's denominator over this token's logits
-    for (int e = lane; e < E; e += kRouteLanes) denom += expf(row[e] - mx);
-    denom = group_sum(denom, kRouteLanes);
-  }
+  float w;
+  int ex;
+  group_topk(row, E, top_k, renormalize, lane, w, ex);  // every lane takes part
   const bool owner = live && lane < top_k;
-  if (owner) my_rank = atomicAdd(&cnt[my_e], 1);
+  const int64_t p = t * top_k + lane;
+  if (owner) {
+    w_out[p] = w;
+    id_out[p] = ex;
+  }
+  if (counts == nullptr) return;  // block-uniform
+  int rank = 0;
+  if (owner) rank = atomicAdd(&cnt[ex], 1);
   __syncthreads();
   for (int e = tid; e < E; e += blockDim.x)
     if (cnt[e] > 0) base[e] = atomicAdd(&counts[e], cnt[e]);
   __syncthreads();
-  if (owner) {
-    const int64_t p = t * top_k + lane;
-    w_out[p] = expf(my_v - mx) / denom;
-    id_out[p] = my_e;
-    slot_out[p] = base[my_e] + my_rank;
-  }
+  if (owner) slot_out[p] = base[ex] + rank;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -240,49 +190,45 @@ bool vec_ok(const at::Tensor& t, int64_t row_elems) {
 // Host wrappers
 // ------------------------------------------------------------------------------------------
 
-std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
-                                             bool renormalize) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> route(const at::Tensor& logits,
+                                                                 int64_t top_k, bool renormalize,
+                                                                 bool count) {
   TORCH_CHECK(VO_ON_DEVICE(logits) && logits.dim() == 2 && logits.stride(1) == 1,
               "moe_route: [T, E] logits on the kernels' device with unit stride");
   const int64_t T = logits.size(0), E = logits.size(1);
-  TORCH_CHECK(top_k >= 1 && top_k <= E && top_k <= 64 && E <= 1024, "moe_route: sizes");
+  TORCH_CHECK(top_k >= 1 && top_k <= std::min<int64_t>(E, kRouteLanes) && E <= 1024,
+              "moe_route: top_k <= min(E, 16), E <= 1024");
   VO_DEVICE_GUARD(logits);
   auto w = at::empty({T, top_k}, logits.options().dtype(at::kFloat));
   auto ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
-  if (T == 0) return {w, ids};
+  at::Tensor counts, slot;
+  if (count) {
+    counts = at::zeros({E}, logits.options().dtype(at::kInt));
+    slot = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+  }
+  if (T == 0) return {w, ids, counts, slot};
+  // Tokens per block: 16 (256 threads) while their logits fit in 16 KB, else 4 (64 threads,
+  // also the smallest block: a decode-sized call).
+  const int tpb = T <= 4 || E > 256 ? 4 : 16;
+  const size_t smem = tpb * E * sizeof(float) + (count ? 2 * E * sizeof(int) : 0);
   VO_DISPATCH_FLOATS(logits.scalar_type(), "moe_route", [&] {
-    VO_LAUNCH(moe_route_kernel<scalar_t>, T, kBlock, E * sizeof(float),
-        logits.data_ptr<scalar_t>(), logits.stride(0), static_cast<int>(E),
-        static_cast<int>(top_k), renormalize, w.data_ptr<float>(), ids.data_ptr<int64_t>());
+    VO_LAUNCH(moe_route_kernel<scalar_t>, (T + tpb - 1) / tpb, tpb * kRouteLanes, smem,
+        logits.data_ptr<scalar_t>(), logits.stride(0), T, static_cast<int>(E),
+        static_cast<int>(top_k), renormalize, w.data_ptr<float>(), ids.data_ptr<int64_t>(),
+        count ? counts.data_ptr<int>() : nullptr, count ? slot.data_ptr<int>() : nullptr);
   });
-  return {w, ids};
+  return {w, ids, counts, slot};
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
+                                             bool renormalize) {
+  auto r = route(logits, top_k, renormalize, false);
+  return {std::get<0>(r), std::get<1>(r)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_count(
     const at::Tensor& logits, int64_t top_k, bool renormalize) {
-  TORCH_CHECK(VO_ON_DEVICE(logits) && logits.dim() == 2 && logits.stride(1) == 1,
-              "moe_route_count: [T, E] logits on the kernels' device with unit stride");
-  const int64_t T = logits.size(0), E = logits.size(1);
-  TORCH_CHECK(top_k >= 1 && top_k <= std::min<int64_t>(E, kRouteLanes) && E <= 1024 &&
-                  (E + kRouteLanes - 1) / kRouteLanes <= 64,
-              "moe_route_count: top_k <= 16, E <= 1024");
-  VO_DEVICE_GUARD(logits);
-  auto w = at::empty({T, top_k}, logits.options().dtype(at::kFloat));
-  auto ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
-  auto counts = at::zeros({E}, logits.options().dtype(at::kInt));
-  auto slot = at::empty({T, top_k}, logits.options().dtype(at::kInt));
-  if (T == 0) return {w, ids, counts, slot};
-  // Tokens per block: 16 (256 threads) while their logits fit in 16 KB, else 4 (64 threads).
-  const int tpb = E <= 256 ? 16 : 4;
-  const int threads = tpb * kRouteLanes;
-  const size_t smem = (tpb * E) * sizeof(float) + 2 * E * sizeof(int);
-  VO_DISPATCH_FLOATS(logits.scalar_type(), "moe_route_count", [&] {
-    VO_LAUNCH(moe_route_count_kernel<scalar_t>, (T + tpb - 1) / tpb, threads, smem,
-        logits.data_ptr<scalar_t>(), logits.stride(0), T, static_cast<int>(E),
-        static_cast<int>(top_k), renormalize, w.data_ptr<float>(), ids.data_ptr<int64_t>(),
-        counts.data_ptr<int>(), slot.data_ptr<int>());
-  });
-  return {w, ids, counts, slot};
+  return route(logits, top_k, renormalize, true);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_permute(

@@ -214,7 +214,7 @@ __global__ void gdn_decode_kernel(
 
 constexpr int kRowsUp = 4;  // gate rows (and as many up rows) per block in kernel 1
 
-// With `logits`, every routed block first routes its token itself (route_token: the same
+// With `logits`, every routed block first routes its token itself (group_topk: the same
 // arithmetic as moe_route) and the blocks of column 0 write the pair's weight and expert to
 // w_out / ids (which the down kernel reads): one launch fewer per layer.
 template <typename T>
@@ -238,8 +238,22 @@ __global__ void moe_up_kernel(const T* __restrict__ x, int H, int64_t* __restric
   const bool need_gate = shared && sh_gate != nullptr && blockIdx.x == 0;
   if (i0 >= rows && !need_gate) return;
   int64_t expert = 0;
-  if (!shared && logits != nullptr) {  // block-uniform: route_token's barriers are safe
-    route_token(logits + t * s_logits, E, top_k, renormalize, lg, sel_w, sel_i);
+  if (!shared && logits != nullptr) {  // block-uniform: the barriers below are safe
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      const float v = to_f(logits[t * s_logits + e]);
+      lg[e] = v != v ? -INFINITY : v;  // as moe_route
+    }
+    __syncthreads();
+    if (threadIdx.x < warpSize) {  // warp 0 (each of its lane groups computes the same)
+      float w;
+      int ex;
+      group_topk(lg, E, top_k, renormalize, threadIdx.x % kRouteLanes, w, ex);
+      if (threadIdx.x < top_k) {
+        sel_w[threadIdx.x] = w;
+        sel_i[threadIdx.x] = ex;
+      }
+    }
+    __syncthreads();
     expert = sel_i[p % top_k];
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       w_out[p] = sel_w[p % top_k];
@@ -549,8 +563,8 @@ at::Tensor moe_decode_impl(const at::Tensor& x, at::Tensor tw, at::Tensor ids,
   if (logits.has_value())
     TORCH_CHECK(logits->dim() == 2 && logits->size(0) == T && logits->size(1) == E &&
                     logits->stride(1) == 1 && logits->scalar_type() == x.scalar_type() &&
-                    E <= 1024 && k >= 1 && k <= std::min(E, 64),
-                "moe_decode_routed: logits [T, E] like x, unit stride, E <= 1024, top_k <= 64");
+                    E <= 1024 && k >= 1 && k <= std::min(E, kRouteLanes),
+                "moe_decode_routed: logits [T, E] like x, unit stride, E <= 1024, top_k <= 16");
   const bool has_sh = sh_w13.has_value() && sh_w2.has_value();
   const int Is = has_sh ? sh_w2->size(1) : 0;
   if (has_sh)
