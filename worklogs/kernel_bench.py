@@ -726,9 +726,21 @@ class Bench:
                     ],
                     5.0,
                 )
+                # The engine's decode call: routing inside the up kernel (2 launches, not 3).
+                lg = [d["logits"].to(d["x"].dtype) for d in sets]
+                o = kernels.moe_decode_routed(d0["x"], lg[0], k, True, w13, w2)
+                res["fused_routed_err"] = rel(o, ref)
+                res["fused_routed"] = self.timer.both(
+                    [
+                        lambda d=d, g=g: kernels.moe_decode_routed(d["x"], g, k, True, w13, w2)
+                        for d, g in zip(sets, lg, strict=True)
+                    ],
+                    5.0,
+                )
                 if T == 1:
                     res["profile_fused"] = profile_table(fused(d0))
                 log(f"  fused cuda: {res['fused_cuda']} (experts only {res['fused_experts_only']})")
+                log(f"  fused routed (2 launches): {res['fused_routed']}")
                 kernels.set_backend("auto")
             for method in ("gather", "grouped", "dense"):
 
