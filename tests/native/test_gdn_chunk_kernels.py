@@ -163,7 +163,11 @@ def test_chunk_prefill_state_carry(kdev: str, size: str) -> None:
     o2, fin2 = _run(
         part(idx2, [n - c for n, c in zip(lens, cuts, strict=True)], fin1), True, "cuda"
     )
-    assert rel_err(fin2, fin_full) <= 1e-4  # float32 states, only the summation order moves
+    # float32 states, but the tensor-core path (bf16 here) rounds its per-chunk operands (W,
+    # K~, h, v') to 16 bits, as FLA does: moving the chunk boundaries moves those roundings,
+    # so the two runs differ by about their own errors against float64 (~1.5e-3 emulated),
+    # each of which test_chunk_prefill_vs_reference_and_torch holds to FLA's 3.0e-3.
+    assert rel_err(fin2, fin_full) <= 3e-3
     o_cat = torch.empty_like(o_full)
     o_cat[0, idx1] = o1[0]
     o_cat[0, idx2] = o2[0]

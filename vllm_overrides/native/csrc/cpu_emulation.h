@@ -15,11 +15,13 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #define __global__
@@ -189,6 +191,89 @@ inline T __shfl_xor_sync(unsigned long long, T v, int lane_mask, int width = war
   std::memcpy(&r, &slots[warp * warpSize + src], sizeof(T));
   return r;
 }
+
+[[noreturn]] inline void __trap() { std::abort(); }
+
+// __syncwarp: a barrier of the calling thread's warp (the same one shuffles wait on).
+inline void __syncwarp(unsigned long long = ~0ull) {
+  vo_emu::wait(vo_emu::current->warps[static_cast<int>(threadIdx.x) / warpSize]);
+}
+
+// A minimal nvcuda::wmma (16x16x16 only): every thread of the warp holds the whole tile in its
+// fragment, row-major (element (r, c) at x[r * 16 + c]), and computes the whole product, so
+// loads, stores and mma_sync need no cooperation between the fibers (a store from every lane
+// writes the same values). Uniform element-wise ops on x[0 .. num_elements) behave as on a
+// device, where each lane holds an unspecified share of the tile. Products accumulate in float.
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  static_assert(M == 16 && N == 16 && K == 16, "vo wmma emulation: 16x16x16 tiles only");
+  static constexpr int num_elements = 256;
+  T x[256];
+};
+
+template <typename Use, typename T, typename L>
+inline void fill_fragment(fragment<Use, 16, 16, 16, T, L>& f, T v) {
+  for (int e = 0; e < 256; ++e) f.x[e] = v;
+}
+template <typename Use, typename T, typename L, typename V>
+inline void fill_fragment(fragment<Use, 16, 16, 16, T, L>& f, V v) {
+  for (int e = 0; e < 256; ++e) f.x[e] = static_cast<T>(v);
+}
+
+// matrix_a / matrix_b: the memory layout is the fragment's.
+template <typename Use, typename T, typename L>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, L>& f, const T* p, unsigned ldm) {
+  static_assert(std::is_same<L, row_major>::value || std::is_same<L, col_major>::value,
+                "an operand fragment needs a layout");
+  constexpr bool row = std::is_same<L, row_major>::value;
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c) f.x[r * 16 + c] = row ? p[r * ldm + c] : p[c * ldm + r];
+}
+
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p,
+                             unsigned ldm, layout_t layout) {
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c)
+      f.x[r * 16 + c] = layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r];
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f,
+                              unsigned ldm, layout_t layout) {
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c)
+      (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[r * 16 + c];
+}
+
+// d = a b + c (d may be c).
+template <typename T, typename LA, typename LB>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
+                     const fragment<matrix_a, 16, 16, 16, T, LA>& a,
+                     const fragment<matrix_b, 16, 16, 16, T, LB>& b,
+                     const fragment<accumulator, 16, 16, 16, float>& c) {
+  float af[256], bf[256], out[256];
+  for (int e = 0; e < 256; ++e) {
+    af[e] = static_cast<float>(a.x[e]);
+    bf[e] = static_cast<float>(b.x[e]);
+  }
+  for (int r = 0; r < 16; ++r)
+    for (int n = 0; n < 16; ++n) {
+      float s = c.x[r * 16 + n];
+      for (int k = 0; k < 16; ++k) s += af[r * 16 + k] * bf[k * 16 + n];
+      out[r * 16 + n] = s;
+    }
+  for (int e = 0; e < 256; ++e) d.x[e] = out[e];
+}
+}  // namespace wmma
+}  // namespace nvcuda
 
 #define VO_DISPATCH_KEY CPU
 #define VO_ON_DEVICE(t) (t).is_cpu()

@@ -4,39 +4,70 @@
 // launches after a one-thread one that turns cu_seqlens into per-sequence chunk offsets on the
 // device (no host sync):
 //
-//   (a) gdn_chunk_prep_kernel, one block per (chunk slot, value head):
+//   (a) prep (gdn_chunk_prep[_mma]_kernel), one block per (chunk slot, value head):
 //         G = in-chunk cumsum(g);  A = strict_lower(beta_i exp(G_i - G_j) k_i.k_j);
-//         T = (I + A)^-1 (forward substitution in shared memory);
+//         T = (I + A)^-1 (float32 forward substitution in shared memory);
 //         W = T (beta exp(G) k),  U = T (beta v),  K~_j = exp(G_last - G_j) k_j
-//                                                         -> float32 scratch
-//   (b) gdn_chunk_state_kernel, one block per (sequence, value head, slice of V rows),
-//       walking that sequence's chunks in order:
-//         store h (the state entering the chunk);  v' = U - W h^T (written over U);
+//   (b) state pass (gdn_chunk_state[_mma]_kernel), one block per (sequence, value head, slice
+//       of V rows), walking that sequence's chunks in order:
+//         store h (the state entering the chunk);  v' = U - W h^T (float32 path: over U);
 //         h = exp(G_last) h + v'^T K~;  the last h -> the final state
-//   (c) gdn_chunk_output_kernel, one block per (chunk slot, value head):
+//   (c) output (gdn_chunk_output[_mma]_kernel), one block per (chunk slot, value head):
 //         o = exp(G) (q h^T) scale + (lower(Gamma) * q k^T scale) v'
 //
 // The math is gdn.chunk_gated_delta_rule's (see its docstring); the state is vLLM's [V, K]
-// layout. Every product is a float32 FMA loop over shared-memory tiles (no tensor cores yet)
-// in which a thread keeps one output column for several rows in registers, so each operand
-// element it loads feeds several FMAs (the other operand is a broadcast); every tile keeps a
-// +1 float row pad so column walks hit distinct banks. Shared memory stays
-// below 48 KB for K, V <= 128 (no opt-in attribute needed on any card). Chunk slots are an
-// upper bound (T / C + N) known from shapes, so the grid needs no host sync; slots past the
-// real chunk count return at once. Padded rows of a sequence's last chunk carry g = 0,
-// beta = 0, k = 0: they write nothing and decay nothing.
+// layout. Two implementations of the three passes, chosen by the input dtype:
+//
+// * fp16 / bf16 (the serving case): every product on tensor cores through nvcuda::wmma
+//   16x16x16 tiles (the portable form: no PTX, no CUTLASS), operands in the input's own 16-bit
+//   type (__half / __nv_bfloat16; bf16 needs sm_80, below that bf16 takes the float32 path),
+//   float accumulation. Raw q, k, v enter the products unrounded (exact in their type) and the
+//   row factors (l2 norm, beta, decays, scale) are applied in float32 on the other side: to
+//   the Gram matrices' entries, to T's columns, to the output tile's rows. What is rounded to
+//   16 bits, as FLA does: T (but split T_hi + T_lo, two products, so ~16 significant bits
+//   survive), W, K~, h (the B operand of W h^T; the state itself stays in float32
+//   accumulator fragments for the whole walk), v' (split v'_hi + v'_lo in the state update,
+//   single in the output) and S = lower(Gamma) * q k^T. Scratch: G, U, final state float32;
+//   W, K~, v', h_c in the input dtype. Shared memory (K = V = 128, kBlock 256): prep 44 KB,
+//   state 52 KB (W and K~ of a chunk both resident: opt-in attribute), output 35 KB. The
+//   state pass uses 16-row V slices (one wmma tile row; v_split is not used), warp w keeping
+//   h tiles w, w + nwarps, ...; the next chunk's W, K~ (registers) and U (fragments) load
+//   while the current chunk computes. Each warp stages accumulator tiles through its own
+//   16x16 float scratch tile for per-row scaling and dtype conversion (the fragment's element
+//   -> (row, col) map is unspecified). Tiles are handed to warps in loops over
+//   blockDim / warpSize warps, so any warp width works (wmma is warp-collective).
+// * float32: float32 FMA loops over shared-memory tiles (16-bit operands would miss float32
+//   accuracy), in which a thread keeps one output column for several rows in registers, so
+//   each operand element it loads feeds several FMAs (the other operand is a broadcast);
+//   every tile keeps a +1 float row pad so column walks hit distinct banks. Shared memory
+//   stays below 48 KB for K, V <= 128; all scratch float32.
+//
+// Chunk slots are an upper bound (T / C + N) known from shapes, so the grid needs no host
+// sync; slots past the real chunk count return at once. Padded rows of a sequence's last
+// chunk carry g = 0, beta = 0, k = 0: they write nothing and decay nothing.
 //
 // Portability as in common.cuh: no warp size assumed (per-row reductions use group_sum over
-// blockDim / C lanes, a power of two <= 16), block size kBlock (a multiple of 64), float32
-// accumulation, no float64 on the device.
+// blockDim / C lanes, a power of two <= 16; wmma tiles loop over the block's warps), block
+// size kBlock (a multiple of 64), float32 accumulation, no float64 on the device. The CPU
+// test build runs these kernels with cpu_emulation.h's wmma model.
 #include "common.cuh"
+
+#ifndef VO_CPU_EMULATION
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+#endif
 
 // The kernels are written for exactly kBlock threads (per-thread accumulator counts are
 // compile-time); telling the compiler lets it budget registers for that block size.
 #ifdef VO_CPU_EMULATION
 #define VO_GDN_BOUNDS
+#define VO_GDN_BOUNDS2
 #else
 #define VO_GDN_BOUNDS __launch_bounds__(kBlock)
+// The tensor-core prep / output kernels: two blocks per SM at least (<= 128 registers at 256
+// threads); left alone, ptxas gave the fp16 prep 64 registers and a spill.
+#define VO_GDN_BOUNDS2 __launch_bounds__(kBlock, 2)
 #endif
 
 namespace {
@@ -198,7 +229,7 @@ __device__ __forceinline__ void tri_apply(const float* Tm, float* tile, const T*
 }
 
 // ------------------------------------------------------------------------------------------
-// (a) intra-chunk: G, T = (I + A)^-1, W, U
+// Float32 path (float32 inputs). (a) intra-chunk: G, T = (I + A)^-1, W, U
 // ------------------------------------------------------------------------------------------
 
 template <typename T>
@@ -284,7 +315,7 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_prep_kernel(
 }
 
 // ------------------------------------------------------------------------------------------
-// (b) state pass: per (sequence, value head, V slice), chunk by chunk
+// Float32 path. (b) state pass: per (sequence, value head, V slice), chunk by chunk
 // ------------------------------------------------------------------------------------------
 
 // W (then K~) of the current chunk goes through registers: each thread loads its share of
@@ -396,7 +427,7 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_kernel(
 }
 
 // ------------------------------------------------------------------------------------------
-// (c) output per (chunk slot, value head)
+// Float32 path. (c) output per (chunk slot, value head)
 // ------------------------------------------------------------------------------------------
 
 template <typename T>
@@ -479,6 +510,605 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_output_kernel(
 }
 
 // ------------------------------------------------------------------------------------------
+// Tensor-core path (fp16 / bf16 inputs): the same three passes with every product on
+// nvcuda::wmma 16x16x16 tiles, 16-bit operands of the input's type, float accumulation.
+// ------------------------------------------------------------------------------------------
+
+namespace wmma = nvcuda::wmma;
+
+// The 16-bit operand type for input T and its conversions (explicit intrinsics: torch builds
+// define __CUDA_NO_HALF_CONVERSIONS__). The emulation uses at::Half / at::BFloat16 themselves.
+template <typename T>
+struct Mma;
+#ifdef VO_CPU_EMULATION
+template <typename T>
+struct MmaEmu {
+  using type = T;
+  static type from(float f) { return static_cast<T>(f); }
+  static float to(type v) { return static_cast<float>(v); }
+};
+template <>
+struct Mma<at::Half> : MmaEmu<at::Half> {};
+template <>
+struct Mma<at::BFloat16> : MmaEmu<at::BFloat16> {};
+#else
+template <>
+struct Mma<at::Half> {
+  using type = __half;
+  static __device__ __forceinline__ type from(float f) { return __float2half_rn(f); }
+  static __device__ __forceinline__ float to(type v) { return __half2float(v); }
+};
+template <>
+struct Mma<at::BFloat16> {
+  using type = __nv_bfloat16;
+  static __device__ __forceinline__ type from(float f) { return __float2bfloat16_rn(f); }
+  static __device__ __forceinline__ float to(type v) { return __bfloat162float(v); }
+};
+#endif
+
+// bf16 wmma needs sm_80; the host routes bf16 to the float32 kernels below that, and these
+// kernels trap if ever launched there (the bf16 fragment types do not exist for those archs).
+template <typename T>
+__device__ constexpr bool mma_arch_ok() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  return !std::is_same<T, at::BFloat16>::value;
+#else
+  return true;
+#endif
+}
+
+#ifdef VO_CPU_EMULATION
+#define VO_GDN_SMEM(name) VO_DYN_SMEM(unsigned char, name)
+#else
+// wmma wants 256-bit aligned tile pointers: every region below starts on 128 bytes.
+#define VO_GDN_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
+
+template <typename M>
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, M, wmma::row_major>;
+template <typename M>
+using FragAt = wmma::fragment<wmma::matrix_a, 16, 16, 16, M, wmma::col_major>;
+template <typename M>
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, M, wmma::row_major>;
+template <typename M>
+using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, M, wmma::col_major>;
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+// Row pitch of 16-bit tiles: +8 elements keeps wmma's ldm rule (a multiple of 16 bytes) and
+// shifts consecutive rows by 16 bytes, so a tile's 16 rows spread over the banks.
+__host__ __device__ constexpr int pitch16(int cols) { return cols + 8; }
+__host__ __device__ constexpr int round128(int bytes) { return (bytes + 127) / 128 * 128; }
+// One 16x16 float staging tile per warp (accumulator -> per-row scaling / dtype conversion);
+// warps are at least 32 lanes wide, so kBlock / 32 tiles cover any warp size.
+constexpr int kScratchBytes = kBlock / 32 * 256 * 4;
+// Float pitch of the prep kernel's A / T matrix (C + 8 floats: the region then holds exactly
+// the two 16-bit [C][C + 8] halves T_hi, T_lo that replace it).
+constexpr int kLdA = kChunk + 8;
+
+// Shared-memory layouts (bytes), shared by the kernels and the host wrapper.
+struct PrepLayout {  // vectors | X: k then v rows (16-bit) | A / T float, then T_hi, T_lo | scratch
+  int x, a, scratch, total;
+  __host__ __device__ PrepLayout(int K, int V) {
+    const int D = K > V ? K : V;
+    x = round128(4 * kChunk * 4);
+    a = x + round128(kChunk * pitch16(D) * 2);
+    const int abytes = kChunk * kLdA * 4, tbytes = 2 * kChunk * pitch16(kChunk) * 2;
+    scratch = a + round128(abytes > tbytes ? abytes : tbytes);
+    total = scratch + kScratchBytes;
+  }
+};
+struct StateLayout {  // W | K~ | h | v' hi, lo (all 16-bit) | scratch
+  int kt, h, vn, vlo, scratch, total;
+  __host__ __device__ StateLayout(int K, int vs) {
+    kt = round128(kChunk * pitch16(K) * 2);
+    h = kt + round128(kChunk * pitch16(K) * 2);
+    vn = h + round128(vs * pitch16(K) * 2);
+    vlo = vn + round128(kChunk * pitch16(vs) * 2);
+    scratch = vlo + round128(kChunk * pitch16(vs) * 2);
+    total = scratch + kScratchBytes;
+  }
+};
+struct OutLayout {  // vectors | q rows (16-bit) | k rows, then S (16-bit) + scratch
+  int q, k, s, scratch, total;
+  __host__ __device__ OutLayout(int K) {
+    q = round128(4 * kChunk * 4);
+    k = q + round128(kChunk * pitch16(K) * 2);
+    s = k;
+    scratch = s + round128(kChunk * pitch16(kChunk) * 2);
+    const int kend = k + round128(kChunk * pitch16(K) * 2);
+    total = (scratch + kScratchBytes > kend ? scratch + kScratchBytes : kend);
+  }
+};
+
+// dst[r][0..D) = 16-bit(x row r), rows [0, C), zero past len (raw inputs: exact in their type).
+template <typename T, typename M>
+__device__ __forceinline__ void load_rows16(M* __restrict__ dst, int ld, const T* __restrict__ x,
+                                            int64_t stride, int len, int D) {
+  for (int e = threadIdx.x; e < kChunk * D; e += blockDim.x) {
+    const int r = e / D, c = e % D;
+    dst[r * ld + c] = Mma<T>::from(r < len ? to_f(x[r * stride + c]) : 0.f);
+  }
+}
+
+// The warp's accumulator tile through its scratch tile: put(r, c, value) for each element,
+// spread over the warp's lanes. Warp-collective.
+template <typename F>
+__device__ __forceinline__ void frag_out(const FragC& f, float* __restrict__ scr, F&& put) {
+  wmma::store_matrix_sync(scr, f, 16, wmma::mem_row_major);
+  __syncwarp();
+  for (int e = threadIdx.x % warpSize; e < 256; e += warpSize) put(e / 16, e % 16, scr[e]);
+  __syncwarp();
+}
+
+// (a) intra-chunk, one block per (chunk slot, value head). With k^ = rk k (rk the l2 factor):
+//   A = strict_lower(beta_i Gamma_ij rk_i rk_j (k k^T)_ij)  (raw k operands, factors in float),
+//   T = (I + A)^-1 (float32 forward substitution),
+//   W = T diag(beta exp(G) rk) k,  U = T diag(beta) v       (raw k / v operands; the column
+//   scaled T split as T_hi + T_lo, both 16-bit, so T keeps ~16 significant bits),
+//   K~ = exp(G_last - G) rk k.
+// W, K~ are stored 16-bit (the state pass's operands), U float32 (its accumulator init).
+template <typename T>
+__global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
+    const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ g,
+    const float* __restrict__ beta, const int64_t* __restrict__ cu,
+    const int64_t* __restrict__ offs, int N, int H, int HV, int K, int V, bool l2,
+    float* __restrict__ Gout, typename Mma<T>::type* __restrict__ Wout,
+    float* __restrict__ Uout, typename Mma<T>::type* __restrict__ Ktout) {
+  if constexpr (!mma_arch_ok<T>()) {
+    __trap();
+  } else {
+    using M = typename Mma<T>::type;
+    constexpr int C = kChunk;
+    VO_GDN_SMEM(smb);
+    const PrepLayout L(K, V);
+    float* G = reinterpret_cast<float*>(smb);
+    float* Bt = G + C;
+    float* rk = Bt + C;
+    float* cs = rk + C;  // column scale of T for the current product
+    M* X = reinterpret_cast<M*>(smb + L.x);
+    float* At = reinterpret_cast<float*>(smb + L.a);
+    M* Thi = reinterpret_cast<M*>(smb + L.a);
+    M* Tlo = Thi + C * pitch16(C);
+    const int warp = threadIdx.x / warpSize, nwarps = blockDim.x / warpSize;
+    float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * 256;
+    const int lda = kLdA, ldx = pitch16(K > V ? K : V), ldt = pitch16(C);
+    const int64_t c = blockIdx.x;
+    const int hv = blockIdx.y, kh = hv / (HV / H), tid = threadIdx.x;
+    ChunkPos p;
+    if (!chunk_pos(cu, offs, N, c, p)) return;
+    const int len = p.len;
+    const int64_t sk = (int64_t)H * K, sv = (int64_t)HV * V, ch = c * HV + hv;
+    const T* kp = k + p.start * sk + (int64_t)kh * K;
+    const T* vp = v + p.start * sv + (int64_t)hv * V;
+    chunk_gates(g, beta, p.start, len, HV, hv, G, Bt);
+    row_factors(kp, sk, len, K, l2, rk);
+    load_rows16(X, ldx, kp, sk, len, K);
+    __syncthreads();
+    if (tid < C) Gout[ch * C + tid] = G[tid];
+
+    // k k^T, lower tiles only (10 of 16; the rest is masked away below).
+    for (int t = warp; t < 10; t += nwarps) {
+      int ti = 0;
+      while ((ti + 1) * (ti + 2) / 2 <= t) ++ti;
+      const int tj = t - ti * (ti + 1) / 2;
+      FragC acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int kk = 0; kk < K; kk += 16) {
+        FragA<M> a;
+        FragBt<M> b;
+        wmma::load_matrix_sync(a, X + ti * 16 * ldx + kk, ldx);
+        wmma::load_matrix_sync(b, X + tj * 16 * ldx + kk, ldx);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(At + ti * 16 * lda + tj * 16, acc, lda, wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int e = tid; e < C * C; e += blockDim.x) {
+      const int i = e / C, j = e % C;
+      float& a = At[i * lda + j];
+      a = i >= len  ? 0.f
+          : j < i   ? Bt[i] * expf(G[i] - G[j]) * rk[i] * rk[j] * a
+          : j == i  ? 1.f
+                    : 0.f;
+    }
+    __syncthreads();
+    // T = (I + A)^-1 by rows, as in the float32 kernel (blockDim / C lanes per column sum).
+    {
+      const int lpr = blockDim.x / C, j = tid / lpr, part = tid % lpr;
+      for (int i = 1; i < len; ++i) {
+        float* ai = At + i * lda;
+        float t = 0.f;
+        if (j < i)
+          for (int m = j + 1 + part; m < i; m += lpr) t += ai[m] * At[m * lda + j];
+        t = group_sum(t, lpr);
+        __syncthreads();
+        if (j < i && part == 0) ai[j] = -(ai[j] + t);
+        __syncthreads();
+      }
+    }
+    // T to registers (its region becomes T_hi / T_lo); K~ straight to global.
+    float tv[kAccCC];
+#pragma unroll
+    for (int r = 0; r < kAccCC; ++r) {
+      const int e = tid + r * kBlock;
+      tv[r] = At[(e / C) * lda + e % C];
+    }
+    {
+      const float glast = G[C - 1];
+      M* kt = Ktout + ch * (int64_t)C * K;
+      for (int e = tid; e < C * K; e += blockDim.x) {
+        const int i = e / K, d = e % K;
+        kt[e] = Mma<T>::from(i < len ? expf(glast - G[i]) * rk[i] * Mma<T>::to(X[i * ldx + d])
+                                     : 0.f);
+      }
+    }
+    if (tid < C) cs[tid] = Bt[tid] * expf(G[tid]) * rk[tid];
+    __syncthreads();  // T read, cs ready
+
+    // out = (T diag(cs)) x over the chunk's rows x (in X): T_hi x + T_lo x.
+    auto apply = [&](int D, auto&& emit) {
+#pragma unroll
+      for (int r = 0; r < kAccCC; ++r) {
+        const int e = tid + r * kBlock, i = e / C, j = e % C;
+        const float t = tv[r] * cs[j];
+        const M hi = Mma<T>::from(t);
+        Thi[i * ldt + j] = hi;
+        Tlo[i * ldt + j] = Mma<T>::from(t - Mma<T>::to(hi));
+      }
+      __syncthreads();
+      const int nt = (C / 16) * (D / 16);
+      for (int t = warp; t < nt; t += nwarps) {
+        const int ti = t / (D / 16), tj = t % (D / 16);
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        for (int m = 0; m <= ti; ++m) {  // T is lower triangular
+          FragA<M> ah, al;
+          FragB<M> b;
+          wmma::load_matrix_sync(b, X + m * 16 * ldx + tj * 16, ldx);
+          wmma::load_matrix_sync(ah, Thi + ti * 16 * ldt + m * 16, ldt);
+          wmma::load_matrix_sync(al, Tlo + ti * 16 * ldt + m * 16, ldt);
+          wmma::mma_sync(acc, al, b, acc);
+          wmma::mma_sync(acc, ah, b, acc);
+        }
+        emit(ti, tj, acc);
+      }
+    };
+    M* wo = Wout + ch * (int64_t)C * K;
+    apply(K, [&](int ti, int tj, const FragC& acc) {
+      frag_out(acc, scr, [&](int r, int cc, float x) {
+        wo[(ti * 16 + r) * K + tj * 16 + cc] = Mma<T>::from(x);
+      });
+    });
+    __syncthreads();  // X, T_hi, T_lo consumed
+    load_rows16(X, ldx, vp, sv, len, V);
+    if (tid < C) cs[tid] = Bt[tid];
+    __syncthreads();
+    float* uo = Uout + ch * (int64_t)C * V;
+    apply(V, [&](int ti, int tj, const FragC& acc) {
+      wmma::store_matrix_sync(uo + ti * 16 * V + tj * 16, acc, V, wmma::mem_row_major);
+    });
+  }
+}
+
+// (b) state pass, one block per (sequence, value head, vs = 16 rows of V), chunk by chunk.
+// The block's h [vs, K] lives in float accumulator fragments for the whole walk (warp w owns
+// tiles w, w + nwarps, ...), with a 16-bit copy in shared memory as the B operand of
+//   v' = U - W h^T  (float accumulators started from U, stored 16-bit for the output pass),
+//   h  = exp(G_last) h + v'^T K~.
+// W and K~ (16-bit, [C, K]) of the next chunk load into registers and U (float) into
+// fragments while the current chunk computes; both W and K~ then sit in shared memory for the
+// chunk (three barriers per chunk). The 16-bit h entering each chunk goes to Hbuf.
+constexpr int kMmaVs = 16;
+// v' enters the h update as v'_hi + v'_lo (two 16-bit halves, two products): with bf16 the
+// single rounding of v' was the largest error of the final state (emulated multi case:
+// 2.5e-3 -> 1.7e-3 vs float64; splitting h in v' = U - W h^T instead changed nothing).
+constexpr bool kSplitV = true;
+// Fragments a warp keeps (the fewest warps: 64 lanes): h tiles, v' tiles.
+constexpr int kMinWarps = kBlock / 64;
+constexpr int kHFrags = ((kMmaVs / 16) * (kMaxDim / 16) + kMinWarps - 1) / kMinWarps;
+constexpr int kVFrags = ((kChunk / 16) * (kMmaVs / 16) + kMinWarps - 1) / kMinWarps;
+constexpr int kStage16 = kChunk * kMaxDim * 2 / 16 / kBlock;  // uint4 per thread per operand
+
+template <typename T>
+__global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
+    const int64_t* __restrict__ offs, int HV, int K, int V, const float* __restrict__ Gbuf,
+    const typename Mma<T>::type* __restrict__ Wbuf, const typename Mma<T>::type* __restrict__ Ktbuf,
+    const float* __restrict__ Ubuf, typename Mma<T>::type* __restrict__ Vn,
+    typename Mma<T>::type* __restrict__ Hbuf, const float* __restrict__ h0,
+    float* __restrict__ final_state) {
+  if constexpr (!mma_arch_ok<T>()) {
+    __trap();
+  } else {
+    using M = typename Mma<T>::type;
+    constexpr int C = kChunk, vs = kMmaVs;
+    VO_GDN_SMEM(smb);
+    const StateLayout L(K, vs);
+    M* buf = reinterpret_cast<M*>(smb);  // [C][K + 8]: W
+    M* kb = reinterpret_cast<M*>(smb + L.kt);  // [C][K + 8]: K~
+    M* hm = reinterpret_cast<M*>(smb + L.h);  // [vs][K + 8]
+    M* vm = reinterpret_cast<M*>(smb + L.vn);  // [C][vs + 8]
+    M* vlo = reinterpret_cast<M*>(smb + L.vlo);  // v' - vm
+    const int warp = threadIdx.x / warpSize, nwarps = blockDim.x / warpSize;
+    const int lane = threadIdx.x % warpSize, tid = threadIdx.x;
+    float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * 256;
+    const int ldk = pitch16(K), ldv = pitch16(vs);
+    const int s = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * vs;
+    const int nh = K / 16;  // h tiles (vs = 16: one tile row)
+    const int64_t state_off = ((int64_t)s * HV + hv) * V * K + (int64_t)v0 * K;
+
+    FragC hf[kHFrags];
+    // h0 through the scratch tile (the user's tensor need not be 32-byte aligned), and the
+    // 16-bit copy.
+    auto publish = [&](int r, int dt) {
+      frag_out(hf[r], scr, [&](int i, int cc, float x) {
+        hm[i * ldk + dt * 16 + cc] = Mma<T>::from(x);
+      });
+    };
+#pragma unroll
+    for (int r = 0; r < kHFrags; ++r) {
+      const int dt = warp + r * nwarps;
+      if (dt < nh) {
+        for (int e = lane; e < 256; e += warpSize)
+          scr[e] = h0 != nullptr ? h0[state_off + (int64_t)(e / 16) * K + dt * 16 + e % 16] : 0.f;
+        __syncwarp();
+        wmma::load_matrix_sync(hf[r], scr, 16, wmma::mem_row_major);
+        __syncwarp();
+        publish(r, dt);
+      }
+    }
+
+    const int64_t c_begin = offs[s], c_end = offs[s + 1];
+    const int n16 = C * K / 8;  // uint4 (8 16-bit elements) per operand
+    uint4 stw[kStage16], stk[kStage16];  // W, K~ of the next chunk
+    auto fetch = [&](uint4 (&stage)[kStage16], const M* src) {
+      const uint4* s4 = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+      for (int r = 0; r < kStage16; ++r) {
+        const int e = tid + r * kBlock;
+        if (e < n16) stage[r] = s4[e];
+      }
+    };
+    auto spill = [&](M* dst, const uint4 (&stage)[kStage16]) {
+#pragma unroll
+      for (int r = 0; r < kStage16; ++r) {
+        const int e = tid + r * kBlock;
+        if (e < n16) {
+          const int row = e / (K / 8), col = (e % (K / 8)) * 8;
+          *reinterpret_cast<uint4*>(dst + row * ldk + col) = stage[r];
+        }
+      }
+    };
+    if (c_begin < c_end) {
+      fetch(stw, Wbuf + (c_begin * HV + hv) * (int64_t)C * K);
+      fetch(stk, Ktbuf + (c_begin * HV + hv) * (int64_t)C * K);
+    }
+    const int nv = C / 16;  // v' tiles (one column of tiles)
+    // U of this warp's v' tiles and G_last, likewise one chunk ahead (un: the next chunk's).
+    FragC un[kVFrags];
+    float gn = 0.f;
+    auto fetch_u = [&](int64_t ch) {
+#pragma unroll
+      for (int r = 0; r < kVFrags; ++r) {
+        const int ti = warp + r * nwarps;
+        if (ti < nv)
+          wmma::load_matrix_sync(un[r], Ubuf + (ch * C + ti * 16) * V + v0, V,
+                                 wmma::mem_row_major);
+      }
+      gn = Gbuf[ch * C + C - 1];
+    };
+    if (c_begin < c_end) fetch_u(c_begin * HV + hv);
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int64_t ch = c * HV + hv;
+      FragC vf[kVFrags];
+#pragma unroll
+      for (int r = 0; r < kVFrags; ++r) vf[r] = un[r];
+      const float eg = expf(gn);
+      if (c + 1 < c_end) fetch_u(ch + HV);
+      __syncthreads();  // previous chunk done: buffers free, hm final
+      spill(buf, stw);  // W and K~ of this chunk, loaded one chunk ago
+      spill(kb, stk);
+      {                 // the 16-bit state entering this chunk, for the output pass
+        M* ho = Hbuf + ch * (int64_t)V * K + (int64_t)v0 * K;
+        for (int e = tid; e < vs * K / 8; e += blockDim.x) {
+          const int row = e / (K / 8), col = (e % (K / 8)) * 8;
+          *reinterpret_cast<uint4*>(ho + row * K + col) =
+              *reinterpret_cast<const uint4*>(hm + row * ldk + col);
+        }
+      }
+      if (c + 1 < c_end) {  // the next chunk's, in flight during this one
+        fetch(stw, Wbuf + (ch + HV) * (int64_t)C * K);
+        fetch(stk, Ktbuf + (ch + HV) * (int64_t)C * K);
+      }
+      __syncthreads();
+
+      // v' = U - W h^T: -(-U + W h^T) keeps mma_sync's add.
+#pragma unroll
+      for (int r = 0; r < kVFrags; ++r) {
+        const int ti = warp + r * nwarps;
+        if (ti < nv) {
+          // Two accumulators (even / odd K tiles) halve the chain of dependent mma_syncs
+          // on this serial path; same fragment type, so adding them element-wise is exact.
+          FragC odd;
+          wmma::fill_fragment(odd, 0.f);
+          for (int e = 0; e < vf[r].num_elements; ++e) vf[r].x[e] = -vf[r].x[e];
+          for (int kk = 0; kk < K; kk += 16) {
+            FragA<M> a;
+            FragBt<M> b;
+            wmma::load_matrix_sync(a, buf + ti * 16 * ldk + kk, ldk);
+            wmma::load_matrix_sync(b, hm + kk, ldk);
+            if ((kk / 16) & 1) wmma::mma_sync(odd, a, b, odd);
+            else wmma::mma_sync(vf[r], a, b, vf[r]);
+          }
+          for (int e = 0; e < vf[r].num_elements; ++e) vf[r].x[e] += odd.x[e];
+          M* vo = Vn + (ch * C + ti * 16) * V + v0;
+          frag_out(vf[r], scr, [&](int i, int cc, float x) {
+            const M y = Mma<T>::from(-x);
+            vm[(ti * 16 + i) * ldv + cc] = y;
+            if (kSplitV) vlo[(ti * 16 + i) * ldv + cc] = Mma<T>::from(-x - Mma<T>::to(y));
+            vo[i * V + cc] = y;
+          });
+        }
+      }
+      __syncthreads();  // v' complete, h copy read
+
+      // h = exp(G_last) h + v'^T K~ (each warp its own tiles; then their 16-bit copies).
+#pragma unroll
+      for (int r = 0; r < kHFrags; ++r) {
+        const int dt = warp + r * nwarps;
+        if (dt < nh) {
+          FragC lo;  // the v'_lo products, a second (independent) accumulator
+          wmma::fill_fragment(lo, 0.f);
+          for (int e = 0; e < hf[r].num_elements; ++e) hf[r].x[e] *= eg;
+          for (int m = 0; m < C; m += 16) {
+            FragAt<M> a;
+            FragB<M> b;
+            wmma::load_matrix_sync(a, vm + m * ldv, ldv);
+            wmma::load_matrix_sync(b, kb + m * ldk + dt * 16, ldk);
+            if (kSplitV) {
+              FragAt<M> al;
+              wmma::load_matrix_sync(al, vlo + m * ldv, ldv);
+              wmma::mma_sync(lo, al, b, lo);
+            }
+            wmma::mma_sync(hf[r], a, b, hf[r]);
+          }
+          for (int e = 0; e < hf[r].num_elements; ++e) hf[r].x[e] += lo.x[e];
+          publish(r, dt);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kHFrags; ++r) {
+      const int dt = warp + r * nwarps;
+      if (dt < nh)
+        wmma::store_matrix_sync(final_state + state_off + dt * 16, hf[r], K,
+                                wmma::mem_row_major);
+    }
+  }
+}
+
+// (c) output, one block per (chunk slot, value head):
+//   S = lower(Gamma) * (rq rk^T scale) * (q k^T)   (raw q / k operands; factors in float,
+//       then S rounded to 16 bits),
+//   o = diag(exp(G) rq scale) (q h^T) + S v'.
+// A warp takes one [16, 16] output tile at a time (q h^T over K, the row factor applied
+// through its scratch tile, then S v' over the tile's lower row of S), so only one
+// accumulator is live per warp.
+constexpr int kSFrags = (10 + kBlock / 64 - 1) / (kBlock / 64);  // lower S tiles per warp
+
+template <typename T>
+__global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const int64_t* __restrict__ cu,
+    const int64_t* __restrict__ offs, int N, int H, int HV, int K, int V, float scale, bool l2,
+    const float* __restrict__ Gbuf, const typename Mma<T>::type* __restrict__ Vn,
+    const typename Mma<T>::type* __restrict__ Hbuf, T* __restrict__ out) {
+  if constexpr (!mma_arch_ok<T>()) {
+    __trap();
+  } else {
+    using M = typename Mma<T>::type;
+    constexpr int C = kChunk;
+    VO_GDN_SMEM(smb);
+    const OutLayout L(K);
+    float* G = reinterpret_cast<float*>(smb);
+    float* rq = G + C;
+    float* rk = rq + C;
+    float* rf = rk + C;  // exp(G) rq scale: the state term's row factor
+    M* qs = reinterpret_cast<M*>(smb + L.q);
+    M* ks = reinterpret_cast<M*>(smb + L.k);
+    M* Sm = reinterpret_cast<M*>(smb + L.s);  // over ks once S is in registers
+    const int warp = threadIdx.x / warpSize, nwarps = blockDim.x / warpSize;
+    float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * 256;
+    const int ldk = pitch16(K), lds = pitch16(C);
+    const int64_t c = blockIdx.x;
+    const int hv = blockIdx.y, kh = hv / (HV / H), tid = threadIdx.x;
+    ChunkPos p;
+    if (!chunk_pos(cu, offs, N, c, p)) return;
+    const int len = p.len;
+    const int64_t sk = (int64_t)H * K, ch = c * HV + hv;
+    const T* qp = q + p.start * sk + (int64_t)kh * K;
+    const T* kp = k + p.start * sk + (int64_t)kh * K;
+    if (tid < C) G[tid] = Gbuf[ch * C + tid];
+    row_factors(qp, sk, len, K, l2, rq);
+    row_factors(kp, sk, len, K, l2, rk);
+    load_rows16(qs, ldk, qp, sk, len, K);
+    load_rows16(ks, ldk, kp, sk, len, K);
+    __syncthreads();
+    if (tid < C) rf[tid] = expf(G[tid]) * rq[tid] * scale;
+
+    // q k^T, lower tiles, kept in registers until every warp is done with ks.
+    FragC sf[kSFrags];
+#pragma unroll
+    for (int r = 0; r < kSFrags; ++r) {
+      const int t = warp + r * nwarps;
+      if (t < 10) {
+        int ti = 0;
+        while ((ti + 1) * (ti + 2) / 2 <= t) ++ti;
+        const int tj = t - ti * (ti + 1) / 2;
+        wmma::fill_fragment(sf[r], 0.f);
+        for (int kk = 0; kk < K; kk += 16) {
+          FragA<M> a;
+          FragBt<M> b;
+          wmma::load_matrix_sync(a, qs + ti * 16 * ldk + kk, ldk);
+          wmma::load_matrix_sync(b, ks + tj * 16 * ldk + kk, ldk);
+          wmma::mma_sync(sf[r], a, b, sf[r]);
+        }
+      }
+    }
+    __syncthreads();  // ks consumed: S goes over it
+#pragma unroll
+    for (int r = 0; r < kSFrags; ++r) {
+      const int t = warp + r * nwarps;
+      if (t < 10) {
+        int ti = 0;
+        while ((ti + 1) * (ti + 2) / 2 <= t) ++ti;
+        const int tj = t - ti * (ti + 1) / 2;
+        frag_out(sf[r], scr, [&](int a, int b, float x) {
+          const int i = ti * 16 + a, j = tj * 16 + b;
+          Sm[i * lds + j] = Mma<T>::from(
+              j <= i && i < len ? expf(G[i] - G[j]) * rq[i] * rk[j] * scale * x : 0.f);
+        });
+      }
+    }
+    __syncthreads();
+
+    const int nvt = V / 16, nt = (C / 16) * nvt;
+    const M* hc = Hbuf + ch * (int64_t)V * K;
+    const M* vn = Vn + ch * (int64_t)C * V;
+    const int64_t so = (int64_t)HV * V;
+    T* op = out + p.start * so + (int64_t)hv * V;
+    for (int t = warp; t < nt; t += nwarps) {
+      const int ti = t / nvt, tj = t % nvt;
+      if (ti * 16 >= len) continue;  // padded rows only (warp-uniform)
+      FragC acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int kk = 0; kk < K; kk += 16) {  // q h^T: B(kk, j) = h[j][kk]
+        FragA<M> a;
+        FragBt<M> b;
+        wmma::load_matrix_sync(a, qs + ti * 16 * ldk + kk, ldk);
+        wmma::load_matrix_sync(b, hc + tj * 16 * K + kk, K);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(scr, acc, 16, wmma::mem_row_major);
+      __syncwarp();
+      for (int e = threadIdx.x % warpSize; e < 256; e += warpSize) scr[e] *= rf[ti * 16 + e / 16];
+      __syncwarp();
+      wmma::load_matrix_sync(acc, scr, 16, wmma::mem_row_major);
+      for (int m = 0; m <= ti; ++m) {  // + S v' (S is 0 above the diagonal)
+        FragA<M> a;
+        FragB<M> b;
+        wmma::load_matrix_sync(a, Sm + ti * 16 * lds + m * 16, lds);
+        wmma::load_matrix_sync(b, vn + m * 16 * V + tj * 16, V);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      __syncwarp();  // every lane has loaded the scaled tile before it is overwritten
+      frag_out(acc, scr, [&](int a, int b, float x) {
+        const int i = ti * 16 + a;
+        if (i < len) op[i * so + tj * 16 + b] = static_cast<T>(x);
+      });
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
 // Chunk offsets: cu_seqlens (int32 or int64) -> int64 cu and cumulative chunk counts, one tiny
 // launch (no host sync, no chain of small torch ops). One thread walks the N sequences.
 // ------------------------------------------------------------------------------------------
@@ -501,6 +1131,53 @@ __global__ void gdn_chunk_offsets_kernel(const I* __restrict__ cu_in, int N,
 // ------------------------------------------------------------------------------------------
 // Host wrapper
 // ------------------------------------------------------------------------------------------
+
+// The tensor-core path's buffers and launches (fp16 / bf16 inputs only).
+template <typename T>
+void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& g, const at::Tensor& beta, const int64_t* cup,
+                const int64_t* offp, int N, int H, int HV, int K, int V, int64_t slots,
+                int64_t ntok, double scale, bool l2norm, const float* h0p, at::Tensor& out,
+                at::Tensor& fin) {
+  if constexpr (std::is_same<T, float>::value) {
+    TORCH_CHECK(false, "gdn_chunk_prefill: no tensor-core path for float32");
+  } else {
+    using M = typename Mma<T>::type;
+    auto f32 = q.options().dtype(at::kFloat);
+    auto h16 = q.options();  // 16-bit buffers in the input's own type
+    auto Gb = at::empty({slots, HV, kChunk}, f32);
+    auto Wb = at::empty({slots, HV, kChunk, K}, h16);
+    auto Kt = at::empty({slots, HV, kChunk, K}, h16);  // K~ rows
+    auto Ub = at::empty({slots, HV, kChunk, V}, f32);
+    auto Vn = at::empty({slots, HV, kChunk, V}, h16);  // v'
+    auto Hb = at::empty({slots, HV, V, K}, h16);       // h entering each chunk
+    auto m16 = [](at::Tensor& t) { return reinterpret_cast<M*>(t.data_ptr<T>()); };
+    const PrepLayout la(K, V);
+    const StateLayout lb(K, kMmaVs);
+    const OutLayout lc(K);
+    if (slots > 0 && ntok > 0) {
+      VO_LAUNCH(gdn_chunk_prep_mma_kernel<T>, dim3(slots, HV), kBlock, la.total,
+          k.data_ptr<T>(), v.data_ptr<T>(), g.data_ptr<float>(), beta.data_ptr<float>(), cup,
+          offp, N, H, HV, K, V, l2norm, Gb.data_ptr<float>(), m16(Wb), Ub.data_ptr<float>(),
+          m16(Kt));
+    }
+#ifndef VO_CPU_EMULATION
+    // W and K~ both resident: above the 48 KB default for K = 128 (52 KB), so opt in.
+    if (lb.total > 48 * 1024)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_state_mma_kernel<T>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, lb.total));
+#endif
+    VO_LAUNCH(gdn_chunk_state_mma_kernel<T>, dim3(N, HV, V / kMmaVs), kBlock, lb.total,
+        offp, HV, K, V, Gb.data_ptr<float>(), m16(Wb), m16(Kt), Ub.data_ptr<float>(), m16(Vn),
+        m16(Hb), h0p, fin.data_ptr<float>());
+    if (slots > 0 && ntok > 0) {
+      VO_LAUNCH(gdn_chunk_output_mma_kernel<T>, dim3(slots, HV), kBlock, lc.total,
+          q.data_ptr<T>(), k.data_ptr<T>(), cup, offp, N, H, HV, K, V,
+          static_cast<float>(scale), l2norm, Gb.data_ptr<float>(), m16(Vn), m16(Hb),
+          out.data_ptr<T>());
+    }
+  }
+}
 
 std::tuple<at::Tensor, at::Tensor> gdn_chunk_prefill(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -562,12 +1239,17 @@ std::tuple<at::Tensor, at::Tensor> gdn_chunk_prefill(
   auto fin = at::empty({N, HV, V, K}, q.options().dtype(at::kFloat));
   // Chunk slots: sum of ceil(len / C) <= T / C + N, from shapes alone.
   const int64_t slots = T / kChunk + N;
-  auto f32 = q.options().dtype(at::kFloat);
-  auto Gb = at::empty({slots, HV, kChunk}, f32);
-  auto Wb = at::empty({slots, HV, kChunk, K}, f32);
-  auto Ub = at::empty({slots, HV, kChunk, V}, f32);  // U, then v'
-  auto Hb = at::empty({slots, HV, V, K}, f32);
-  auto Kt = at::empty({slots, HV, kChunk, K}, f32);  // K~ rows
+  // fp16 / bf16 take the tensor-core kernels (bf16 needs sm_80); float32 keeps the float32
+  // FMA kernels (16-bit operands would miss its accuracy).
+  bool mma = q.scalar_type() != at::kFloat;
+#ifndef VO_CPU_EMULATION
+  if (q.scalar_type() == at::kBFloat16) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                          q.device().index()));
+    if (major < 8) mma = false;
+  }
+#endif
   const int D = std::max(K, V);
   const size_t smem_a =
       (4 * kChunk + kChunk * (kChunk + 1) + std::max(kChunk * (kTile + 1), kTile * (D + 1))) *
@@ -580,6 +1262,17 @@ std::tuple<at::Tensor, at::Tensor> gdn_chunk_prefill(
   const float* h0p = h0.has_value() ? h0->data_ptr<float>() : nullptr;
   VO_DISPATCH_FLOATS(q.scalar_type(), "gdn_chunk_prefill", [&] {
     using T_ = scalar_t;
+    if (mma) {
+      launch_mma<T_>(qc, kc, vc, gc, bc, cup, offp, N, H, HV, K, V, slots, T, scale, l2norm,
+                     h0p, out, fin);
+      return;
+    }
+    auto f32 = q.options().dtype(at::kFloat);
+    auto Gb = at::empty({slots, HV, kChunk}, f32);
+    auto Wb = at::empty({slots, HV, kChunk, K}, f32);
+    auto Ub = at::empty({slots, HV, kChunk, V}, f32);  // U, then v'
+    auto Hb = at::empty({slots, HV, V, K}, f32);
+    auto Kt = at::empty({slots, HV, kChunk, K}, f32);  // K~ rows
     if (slots > 0 && T > 0) {
       VO_LAUNCH(gdn_chunk_prep_kernel<T_>, dim3(slots, HV), kBlock, smem_a,
           kc.data_ptr<T_>(), vc.data_ptr<T_>(), gc.data_ptr<float>(), bc.data_ptr<float>(),
