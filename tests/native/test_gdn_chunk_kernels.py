@@ -267,3 +267,23 @@ def test_chunk_prefill_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
         cu_seqlens=x["cu"], use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     assert torch.equal(o, o_t) and torch.equal(fin, fin_t)
+
+
+@pytest.mark.parametrize("kdev", [pytest.param("emu64", marks=emu)], indirect=True)
+def test_chunk_prefill_kernel_failure_falls_back(
+    kdev: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel the device refuses (an exception at the launch) costs no request: the call and
+    every later one take the PyTorch path, with its exact result."""
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("CUDA error: too many resources requested for launch")
+
+    monkeypatch.setattr(kernels, "_gdn_chunk_op", refuse)
+    x = _inputs("small", torch.float32, kdev, True)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kw = {"initial_state": x["h0"], "cu_seqlens": x["cu"], "use_qk_l2norm_in_kernel": True}
+    o, fin = kernels.chunk_gated_delta_rule(*args, **kw)
+    assert kernels.GDN_CHUNK_FUSED is False
+    o_t, fin_t = gdn.chunk_gated_delta_rule(*args, **kw)
+    assert torch.equal(o, o_t) and torch.equal(fin, fin_t)

@@ -71,8 +71,9 @@ EXT_NAME = "vo_native_kernels"
 BACKENDS = ("auto", "cuda", "torch", "emulate")
 
 _mode = os.environ.get("NATIVE_KERNELS", "auto").strip().lower() or "auto"
-# The fused GDN chunk prefill is opt-in (GDN_CHUNK_KERNEL=fused) until it beats the PyTorch
-# path: on the H200 at T=16K, TP4 it took 11.9 ms against 2.2 ms (worklogs/LEDGER.md, issue 15).
+# The fused GDN chunk prefill is opt-in (GDN_CHUNK_KERNEL=fused; the YAML sets it): its first,
+# float32-FMA version lost to the PyTorch path on the H200 (11.9 vs 2.2 ms at T=16K, TP4); the
+# tensor-core version beats it (worklogs/LEDGER.md, issue 15), but no target card has run it.
 GDN_CHUNK_FUSED = os.environ.get("GDN_CHUNK_KERNEL", "torch").strip().lower() == "fused"
 _loaded: bool | None = None  # None: not tried yet
 _emulated = False  # tests: the kernels built for host threads serve CPU tensors
@@ -315,6 +316,7 @@ def chunk_gated_delta_rule(
     kernels derive the chunk grid from ``cu_seqlens`` on the device, without a host sync);
     ``kw`` (``tri_solve``, ``tf32``) is passed to it unchanged.
     """
+    global GDN_CHUNK_FUSED  # cleared when the device refuses the kernel (below)
     B_, T_ = q.shape[0], q.shape[1]
     ok = (
         GDN_CHUNK_FUSED
@@ -345,14 +347,30 @@ def chunk_gated_delta_rule(
     else:
         cu = cu_seqlens.to(q.device)
     h0 = None if initial_state is None else initial_state.to(torch.float32)
-    o, final = torch.ops.vo_kernels.gdn_chunk_prefill(
-        q.reshape(Ttot, H, K), k.reshape(Ttot, H, K), v.reshape(Ttot, HV, V),
-        g.reshape(Ttot, HV).float(), beta.reshape(Ttot, HV).float(), cu, h0,
-        K**-0.5 if scale is None else scale, use_qk_l2norm_in_kernel, 0,
-    )  # fmt: skip
+    try:
+        o, final = _gdn_chunk_op(
+            q.reshape(Ttot, H, K), k.reshape(Ttot, H, K), v.reshape(Ttot, HV, V),
+            g.reshape(Ttot, HV).float(), beta.reshape(Ttot, HV).float(), cu, h0,
+            K**-0.5 if scale is None else scale, use_qk_l2norm_in_kernel, 0,
+        )  # fmt: skip
+    except RuntimeError as e:
+        # A device that refuses the kernels' launch configuration (its shared memory or
+        # registers per block fall short) must not fail requests: the PyTorch path serves
+        # this and every later call of the process.
+        GDN_CHUNK_FUSED = False
+        logger.warning("GDN chunk prefill kernel failed, PyTorch path from now on: %s", e)
+        return gdn.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+            chunk_indices, chunk_offsets, use_qk_l2norm_in_kernel, core_attn_out, layout, **kw,
+        )  # fmt: skip
     if core_attn_out is not None:
         core_attn_out[:Ttot].copy_(o)
     return o.view(B_, T_, HV, V), (final if output_final_state else None)
+
+
+def _gdn_chunk_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused op (a seam for the fallback test)."""
+    return torch.ops.vo_kernels.gdn_chunk_prefill(*args)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

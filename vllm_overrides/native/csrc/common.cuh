@@ -29,9 +29,13 @@
 #define VO_ON_DEVICE(t) (t).is_cuda()
 #define VO_DEVICE_GUARD(t) const c10::cuda::OptionalCUDAGuard vo_guard_((t).device())
 #define VO_DYN_SMEM(type, name) extern __shared__ type name[]
+// The launch check turns a launch the device refuses (too much shared memory, too many
+// registers for the block) into an exception at the call -- which the Python side can answer
+// with the PyTorch path -- instead of a kernel that silently never ran.
 #define VO_LAUNCH(kernel, grid, block, smem, ...)                                 \
   do {                                                                           \
     kernel<<<grid, block, smem, c10::cuda::getCurrentCUDAStream()>>>(__VA_ARGS__); \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                                              \
   } while (0)
 #endif
 
