@@ -299,14 +299,17 @@ def test_moe_decode_routed_equals_route_then_decode(
     for shared in (None, sh):
         kernels.FUSED_USED.discard("moe_decode_routed")
         out = kernels.moe_decode_routed(x, logits, k, renormalize, w13, w2, shared)
-        assert "moe_decode_routed" in kernels.FUSED_USED
+        # Routing in the up kernel up to MOE_ROUTED_MAX_TOKENS tokens, the two ops beyond.
+        used = "moe_decode_routed" in kernels.FUSED_USED
+        assert used == (T <= kernels.MOE_ROUTED_MAX_TOKENS)
         w, ids = kernels.moe_route(logits, k, renormalize)
-        assert torch.equal(out, kernels.moe_decode(x, w, ids, w13, w2, shared))
+        want = kernels.moe_decode(x, w, ids, w13, w2, shared)
+        assert torch.equal(out, want)
         s13, s2, sg = shared if shared is not None else (None, None, None)
-        _, w_r, ids_r = torch.ops.vo_kernels.moe_decode_routed(
+        out_r, w_r, ids_r = torch.ops.vo_kernels.moe_decode_routed(
             x, logits, k, renormalize, w13, w2, s13, s2, sg
         )
-        assert torch.equal(ids_r, ids) and torch.equal(w_r, w)
+        assert torch.equal(ids_r, ids) and torch.equal(w_r, w) and torch.equal(out_r, want)
 
 
 @pytest.mark.parametrize(
