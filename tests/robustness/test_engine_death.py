@@ -118,7 +118,8 @@ _STAND_IN = textwrap.dedent(
             return self.state == "cancelled"
 
     app = SimpleNamespace(state=SimpleNamespace())
-    install_engine_watchdog(app, poll_s=0.05, exit_deadline_s=float(sys.argv[2]))
+    poll_s = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
+    install_engine_watchdog(app, poll_s=poll_s, exit_deadline_s=float(sys.argv[2]))
     time.sleep(0.3)
     handler = Handler()
     app.state.engine_client = SimpleNamespace(output_handler=handler)
@@ -126,6 +127,8 @@ _STAND_IN = textwrap.dedent(
     print("alive", flush=True)
     # the engine died (the handler returned) or a shutdown was requested (it was cancelled)
     handler.state = "cancelled" if sys.argv[1] == "shutdown" else "returned"
+    if sys.argv[1] == "returns_now":  # the server's shutdown beats the watchdog's next poll
+        sys.exit(0)
     if sys.argv[1] in ("returns", "shutdown"):
         time.sleep(0.5)  # the server's own shutdown finishes; main returns normally
         sys.exit(0)
@@ -134,9 +137,11 @@ _STAND_IN = textwrap.dedent(
 )
 
 
-def _run_stand_in(mode: str, deadline_s: float, env: dict[str, str] | None = None):
+def _run_stand_in(
+    mode: str, deadline_s: float, env: dict[str, str] | None = None, poll_s: float = 0.05
+):
     return subprocess.run(
-        [sys.executable, "-c", _STAND_IN, mode, str(deadline_s)],
+        [sys.executable, "-c", _STAND_IN, mode, str(deadline_s), str(poll_s)],
         cwd=REPO_DIR,
         env={**os.environ, "PYTHONPATH": str(REPO_DIR), **(env or {})},
         capture_output=True,
@@ -148,6 +153,15 @@ def _run_stand_in(mode: str, deadline_s: float, env: dict[str, str] | None = Non
 
 def test_watchdog_turns_a_clean_exit_after_engine_death_into_a_failure() -> None:
     out = _run_stand_in("returns", deadline_s=30)
+    assert "alive" in out.stdout
+    assert out.returncode == 3, (out.returncode, out.stderr)
+    assert "engine core is dead" in out.stderr
+
+
+def test_watchdog_exit_status_when_the_shutdown_beats_its_poll() -> None:
+    """The server stops (status 0) before the watchdog's next poll has seen the dead engine:
+    the exit hook looks once more, and the status is still the failure."""
+    out = _run_stand_in("returns_now", deadline_s=30, poll_s=10.0)
     assert "alive" in out.stdout
     assert out.returncode == 3, (out.returncode, out.stderr)
     assert "engine core is dead" in out.stderr
