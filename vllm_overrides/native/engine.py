@@ -569,24 +569,18 @@ def native_moe_experts(
     prefill kernels around the expert GEMMs; otherwise the routed op plus upstream's shared
     expert module."""
     block = _MOE_BLOCKS[layer_name]
-    if x.shape[0] <= MOE_DECODE_MAX_TOKENS and not MOE_DECODE_NATIVE and kernels.use_cuda(x):
+    decode = x.shape[0] <= MOE_DECODE_MAX_TOKENS
+    if not (decode and MOE_DECODE_NATIVE) and kernels.use_cuda(x):
+        bucket = "decode" if decode else "prefill"
+        # Decode: routing in the up kernel; prefill: the shared expert's gate and sum ride in
+        # the combine kernel.
+        fused = kernels.moe_decode_routed if decode else kernels.moe_prefill
         weights = _expert_weights(block)
         assert weights is not None  # checked when the block registered
-        _mark("moe_decode_native_fused")
+        _mark(f"moe_{bucket}_native_fused")
         report_usage()
-        with _range("vo.moe.decode.fused"):
-            return kernels.moe_decode_routed(
-                x, router_logits, block._vo_top_k, block._vo_renormalize, *weights,
-                _shared_weights(block),
-            )  # fmt: skip
-    if x.shape[0] > MOE_DECODE_MAX_TOKENS and kernels.use_cuda(x):
-        weights = _expert_weights(block)
-        assert weights is not None
-        _mark("moe_prefill_native_fused")
-        report_usage()
-        with _range("vo.moe.prefill.fused"):
-            # The shared expert's gate and sum ride in the combine kernel.
-            return kernels.moe_prefill(
+        with _range(f"vo.moe.{bucket}.fused"):
+            return fused(
                 x, router_logits, block._vo_top_k, block._vo_renormalize, *weights,
                 _shared_weights(block),
             )  # fmt: skip

@@ -317,6 +317,13 @@ def chunk_gated_delta_rule(
     ``kw`` (``tri_solve``, ``tf32``) is passed to it unchanged.
     """
     global GDN_CHUNK_FUSED  # cleared when the device refuses the kernel (below)
+
+    def torch_path() -> tuple[torch.Tensor, torch.Tensor | None]:
+        return gdn.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+            chunk_indices, chunk_offsets, use_qk_l2norm_in_kernel, core_attn_out, layout, **kw,
+        )  # fmt: skip
+
     B_, T_ = q.shape[0], q.shape[1]
     ok = (
         GDN_CHUNK_FUSED
@@ -334,10 +341,7 @@ def chunk_gated_delta_rule(
         and (initial_state is None or initial_state.shape[1:] == (*v.shape[2:], q.shape[3]))
     )
     if not ok:
-        return gdn.chunk_gated_delta_rule(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-            chunk_indices, chunk_offsets, use_qk_l2norm_in_kernel, core_attn_out, layout, **kw,
-        )  # fmt: skip
+        return torch_path()
     _used("gdn_chunk_prefill")
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
@@ -359,10 +363,7 @@ def chunk_gated_delta_rule(
         # this and every later call of the process.
         GDN_CHUNK_FUSED = False
         logger.warning("GDN chunk prefill kernel failed, PyTorch path from now on: %s", e)
-        return gdn.chunk_gated_delta_rule(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-            chunk_indices, chunk_offsets, use_qk_l2norm_in_kernel, core_attn_out, layout, **kw,
-        )  # fmt: skip
+        return torch_path()
     if core_attn_out is not None:
         core_attn_out[:Ttot].copy_(o)
     return o.view(B_, T_, HV, V), (final if output_final_state else None)
