@@ -15,4 +15,5 @@ t0=$(date +%s)
 assert kernels.extension_loaded(), kernels._load_error; print('vo_native_kernels built and loaded')"
 echo "build: $(( $(date +%s) - t0 )) s"
 "$PY" -m pytest tests/native/test_cuda_kernels.py tests/native/test_moe_prefill_kernels.py \
-  tests/native/test_gdn_chunk_kernels.py -p no:cacheprovider -o addopts="" -q -rs "$@"
+  tests/native/test_gdn_chunk_kernels.py tests/native/test_gdn_conv_kernels.py \
+  -p no:cacheprovider -o addopts="" -q -rs "$@"

@@ -41,7 +41,8 @@ GPU (no vLLM needed: plain torch, optional fla)::
 weights and layers): one sequence of T new tokens (default 16384,65536), "fresh" (zero states,
 empty cache) and "resume" (``--prefill-cached`` tokens already in the KV cache and the GDN
 states; default as many as T). Per layer the engine's prefill path: GDN projections,
-``gdn.causal_conv1d_prefill``, ``gdn.post_conv_prep``, the chunk rule (``torch``:
+``kernels.gdn_conv_prep`` (conv + post-conv prep; ``torch``: ``gdn.causal_conv1d_prefill`` +
+``gdn.post_conv_prep``), the chunk rule (``torch``:
 ``gdn.chunk_gated_delta_rule``; ``cuda``: ``kernels.chunk_gated_delta_rule`` where it exists;
 ``fla``: FLA's ``chunk_gated_delta_rule``), ``kernels.rms_norm_gated``; attention: q/k norm +
 RoPE + gate, causal torch SDPA over cache + new tokens (stands in for vLLM's prefill attention);
@@ -620,7 +621,8 @@ PREFILL_NOTES = [
     "attention: torch SDPA (causal; lower-right causal over cached context + new tokens when "
     "resuming) stands in for vLLM's prefill attention; new k/v copied into a contiguous "
     "[1, kv, ctx, D] cache first (stands in for reshape_and_cache)",
-    "GDN per layer: gdn.causal_conv1d_prefill + gdn.post_conv_prep + chunk rule (torch: "
+    "GDN per layer: kernels.gdn_conv_prep (torch: gdn.causal_conv1d_prefill + "
+    "gdn.post_conv_prep; cuda, fla: the fused conv + prep kernels) + chunk rule (torch: "
     "gdn.chunk_gated_delta_rule; cuda: kernels.chunk_gated_delta_rule where it exists; fla: as "
     "cuda but FLA's chunk_gated_delta_rule) + kernels.rms_norm_gated; fresh = zero initial states, "
     "resume = initial conv/SSM states from the cache",
@@ -769,12 +771,12 @@ class PrefillStep(DecodeStep):
         HV, V = s.v_heads, s.head_v
         mixed_qkv, z = F.linear(h, lw["qkvz"]).split([s.conv_dim, HV * V], dim=-1)
         b, a = F.linear(h, lw["ba"]).split([HV, HV], dim=-1)
-        x = gdn.causal_conv1d_prefill(
-            mixed_qkv, lw["conv"], None, self.conv[i], self.qsl, self.slots, self.has_init, "silu"
-        )
-        q, k, v, g, beta = gdn.post_conv_prep(
-            x, a, b, lw["A_log"], lw["dt_bias"], s.k_heads, s.head_k, V, apply_l2norm=True
-        )
+        # The engine's call: fused conv + prep where the extension serves (cuda, fla), else
+        # gdn.causal_conv1d_prefill + gdn.post_conv_prep (torch).
+        q, k, v, g, beta = kn.gdn_conv_prep(
+            mixed_qkv, lw["conv"], None, self.conv[i], self.qsl, self.slots, self.has_init,
+            "silu", a, b, lw["A_log"], lw["dt_bias"], s.k_heads, s.head_k, V,
+        )  # fmt: skip
         return q, k, v, g, beta, z
 
     def gdn_core(

@@ -3,7 +3,8 @@
 With ``NATIVE_KERNELS=emulate`` the CPU server runs the fused kernels' own CUDA source on host
 threads (``csrc/cpu_emulation.h``) wherever a GPU would run them -- the GDN decode step on
 vLLM's conv / SSM cache slots, the gated and ``(1 + w)`` norms, MoE routing and the routed
-experts (decode and the 500-token prompt's prefill), the attention layers' q/k norm + RoPE -- so the wiring (cache views, slot indices, padded batches, dtypes) is checked against
+experts (decode and the 500-token prompt's prefill), the GDN prefill's conv + prep and chunk
+rule, the attention layers' q/k norm + RoPE -- so the wiring (cache views, slot indices, padded batches, dtypes) is checked against
 the transformers oracle in float32, as the PyTorch path is in ``test_native_oracle.py``.
 Speed means nothing here (each emulated launch runs its blocks on fibers).
 """
@@ -25,8 +26,7 @@ LOG = REPO_DIR / "build" / "native-engine-fused-emulated.log"
 
 @pytest.fixture(scope="module")
 def url(oracle: dict[str, Any]) -> Iterator[str]:
-    # The fused GDN chunk prefill is opt-in (slower than the PyTorch path on the H200 so far);
-    # its wiring is checked here all the same.
+    # The fused GDN chunk prefill is opt-in in the code (the YAML turns it on): on here.
     env = {**NATIVE_ON, "NATIVE_KERNELS": "emulate", "GDN_CHUNK_KERNEL": "fused"}
     with engine_server(LOG, env, ["--dtype", "float32"]) as u:
         yield u
@@ -59,6 +59,6 @@ def test_fused_kernels_served_the_engine(url: str, oracle: dict[str, Any]) -> No
         assert key in used, f"{key} not reported as used: {used}"
     # ... and each of them ran on the fused kernels, not their PyTorch fallbacks.
     for op in ("gdn_decode", "rms_norm_gated", "gemma_rms_norm", "moe_route", "moe_decode",
-               "moe_prefill", "gdn_chunk_prefill", "qk_norm_rope_gate"):  # fmt: skip
+               "moe_prefill", "gdn_conv_prep", "gdn_chunk_prefill", "qk_norm_rope_gate"):  # fmt: skip
         assert f"fused_{op}" in used, f"{op} did not run on the fused kernels: {used}"
     assert "Traceback" not in text

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from . import gdn, gdn_checkpoint, kernels, moe, vision_rope
+from . import gdn_checkpoint, kernels, moe, vision_rope
 
 logger = logging.getLogger("vllm.vllm_overrides.native")
 
@@ -299,12 +299,13 @@ def gdn_forward_core(
             qsl = md.non_spec_query_start_loc[nd : nd + npf + 1] - ndt
             pidx = idx[nd : nd + npf].to(torch.long)
             has_init = md.has_initial_state[nd : nd + npf]
-            x = gdn.causal_conv1d_prefill(
-                mixed_qkv[ndt:n], weight, bias, conv_state, qsl, pidx, has_init, layer.activation
-            )
-            q, k, v, g, beta = gdn.post_conv_prep(
-                x, a[ndt:n], b[ndt:n], layer.A_log, layer.dt_bias, H, K, V, apply_l2norm=True
-            )
+            # Conv (states updated in place) + q/k L2 norm, v, gates: two launches where the
+            # extension serves this device, else the PyTorch ops.
+            A_log, dt_bias = _gate_params_f32(layer)
+            q, k, v, g, beta = kernels.gdn_conv_prep(
+                mixed_qkv[ndt:n], weight, bias, conv_state, qsl, pidx, has_init,
+                layer.activation, a[ndt:n], b[ndt:n], A_log, dt_bias, H, K, V,
+            )  # fmt: skip
             h0 = ssm_state.index_select(0, pidx)
             h0 = torch.where(has_init.view(-1, 1, 1, 1), h0, torch.zeros_like(h0))
             # Patch 0007: rows with a prefill checkpoint (md.checkpoint) run as two chained

@@ -10,6 +10,8 @@ op                     what one call does                                      l
 ``gdn_decode``         conv-state update + SiLU, q/k L2 norm, gates, the       1
                        delta-rule update of each state in its cache slot, the
                        output (padded / invalid slots skipped)
+``gdn_conv_prep``      prefill causal conv1d (varlen, conv states in place) +   2
+                       post-conv prep: q/k L2 norm, v, gates ``g``, ``beta``
 ``gdn_chunk_prefill``  chunked gated delta rule over packed varlen             4
                        sequences (:func:`chunk_gated_delta_rule`): chunk
                        offsets, intra-chunk WY solve, per-sequence state pass,
@@ -288,6 +290,61 @@ def gdn_decode(
     gdn.fused_recurrent_gated_delta_rule_packed_decode(
         x, a, b, A_log, dt_bias, scale, ssm_state, out.unsqueeze(1), slots,
         use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+
+
+def gdn_conv_prep(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cache_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    activation: str | bool | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    apply_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`.gdn.causal_conv1d_prefill` then :func:`.gdn.post_conv_prep` (same arguments,
+    results and in-place conv-state update): two launches where the extension serves, else
+    those two functions. Returns ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]``."""
+    silu = activation is True or activation in ("silu", "swish")
+    nv = 16 // x.element_size()
+    ok = (
+        use_cuda(x)
+        and (silu or activation in (None, False))
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and x.data_ptr() % 16 == 0
+        and (x.stride(0) * x.element_size()) % 16 == 0
+        and head_k_dim % nv == 0
+        and head_v_dim % nv == 0
+        and weight.dim() == 2
+        and conv_states.dtype == a.dtype == b.dtype == weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and a.stride(-1) == 1
+        and b.stride(-1) == 1
+        and a.shape[-1] <= 256
+    )
+    if not ok:
+        out = gdn.causal_conv1d_prefill(
+            x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
+            activation,
+        )  # fmt: skip
+        return gdn.post_conv_prep(
+            out, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim, apply_l2norm
+        )
+    _used("gdn_conv_prep")
+    return torch.ops.vo_kernels.gdn_conv_prep(
+        x, weight.contiguous(), bias, conv_states, query_start_loc,
+        cache_indices.to(torch.long), has_initial_state, silu, a, b, A_log.float(),
+        dt_bias.float(), num_k_heads, head_k_dim, head_v_dim, apply_l2norm, gdn.PAD_SLOT_ID,
     )  # fmt: skip
 
 
@@ -666,6 +723,16 @@ def _register_fakes() -> None:
         x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, sigmoid: bool
     ) -> torch.Tensor:
         return torch.empty_like(x)
+
+    @torch.library.register_fake(lib + "gdn_conv_prep")
+    def _(x: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        H, K, V = args[11], args[12], args[13]  # after weight, bias, ..., A_log, dt_bias
+        T, D = x.shape
+        HV = (D - 2 * H * K) // V
+        return (
+            x.new_empty(T, H, K), x.new_empty(T, H, K), x.new_empty(T, HV, V),
+            x.new_empty(T, HV, dtype=torch.float32), x.new_empty(T, HV, dtype=torch.float32),
+        )  # fmt: skip
 
     @torch.library.register_fake(lib + "gdn_chunk_prefill")
     def _(

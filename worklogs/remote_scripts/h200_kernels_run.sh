@@ -38,7 +38,8 @@ kernels.jit_build(); assert kernels.extension_loaded(), kernels._load_error" ;;
     tests)
       # shellcheck disable=SC2086
       run tests "${T_TESTS:-150}" python3 -m pytest ${TESTS:-tests/native/test_cuda_kernels.py \
-        tests/native/test_moe_prefill_kernels.py tests/native/test_gdn_chunk_kernels.py} \
+        tests/native/test_moe_prefill_kernels.py tests/native/test_gdn_chunk_kernels.py \
+        tests/native/test_gdn_conv_kernels.py} \
         ${TEST_K:+-k "$TEST_K"} -p no:cacheprovider -o addopts="" -q -rs --tb=short --durations=5
       grep -E "passed|failed" "$OUT/tests.log" | tail -1
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 ;;

@@ -4,6 +4,7 @@
 // shipped or used by the server.
 #define VO_CPU_EMULATION 1
 #include "gdn_chunk.cu"
+#include "gdn_conv.cu"
 #include "moe_prefill.cu"
 #include "native_kernels.cu"
 
