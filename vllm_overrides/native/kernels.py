@@ -326,6 +326,10 @@ def gdn_conv_prep(
         and head_k_dim % nv == 0
         and head_v_dim % nv == 0
         and weight.dim() == 2
+        and weight.shape[1] == 4  # the kernel's conv width (Qwen3.5 / 3.6)
+        and weight.is_contiguous()
+        and weight.data_ptr() % 16 == 0
+        and (bias is None or (bias.is_contiguous() and bias.data_ptr() % 16 == 0))
         and conv_states.dtype == a.dtype == b.dtype == weight.dtype == x.dtype
         and (bias is None or bias.dtype == x.dtype)
         and a.stride(-1) == 1
@@ -342,7 +346,7 @@ def gdn_conv_prep(
         )
     _used("gdn_conv_prep")
     return torch.ops.vo_kernels.gdn_conv_prep(
-        x, weight.contiguous(), bias, conv_states, query_start_loc,
+        x, weight, bias, conv_states, query_start_loc,
         cache_indices.to(torch.long), has_initial_state, silu, a, b, A_log.float(),
         dt_bias.float(), num_k_heads, head_k_dim, head_v_dim, apply_l2norm, gdn.PAD_SLOT_ID,
     )  # fmt: skip

@@ -4,7 +4,7 @@
 // intermediates through memory).
 //
 //   1. gdn_conv_prep_kernel, one block per token (grid-stride): each thread takes 16-byte
-//      vectors of channels; out = act(bias + sum_j w[:, j] x[t - (W-1) + j]) with the W-1
+//      vectors of channels (their conv weights as whole vectors too; width 4 only); out = act(bias + sum_j w[:, j] x[t - (W-1) + j]) with the W-1
 //      positions before a sequence taken from its conv state (zeros without an initial state),
 //      rounded to the input type as upstream's conv output is; then q and k l2-normalised per
 //      head from those rounded values (float32, eps 1e-6; FLA's l2norm_fwd numerics) and
@@ -25,6 +25,10 @@
 #include "common.cuh"
 
 namespace {
+
+// The conv width the kernel is built for (Qwen3.5 / 3.6: linear_conv_kernel_dim 4); the
+// weights of a thread's channels then sit in registers. Other widths take the PyTorch path.
+constexpr int kConvWidth = 4;
 
 // Store N floats as one 16-byte vector of T.
 template <typename T>
@@ -49,10 +53,10 @@ __device__ __forceinline__ int conv_seq_of(const I* __restrict__ cu, int N, int6
   return lo;
 }
 
-template <typename T, typename I>
+template <typename T, typename I, int W>
 __global__ void gdn_conv_prep_kernel(
     const T* __restrict__ x, int64_t s_x, int64_t T_, int D,                      // [T, D]
-    const T* __restrict__ w, const T* __restrict__ bias, int W,                  // [D, W], [D]
+    const T* __restrict__ w, const T* __restrict__ bias,                         // [D, W], [D]
     const T* __restrict__ cs, int64_t cs_slot, int64_t cs_d, int64_t cs_w,       // [S, D, W-1]
     const I* __restrict__ cu, int N, const int64_t* __restrict__ slots,
     const bool* __restrict__ has_init, bool silu,
@@ -64,7 +68,8 @@ __global__ void gdn_conv_prep_kernel(
   VO_DYN_SMEM(float, sm);  // y [D] (the rounded conv row), part [D / NV] (squares per vector)
   float* y = sm;
   float* part = sm + D;
-  const int S = W - 1, HK = H * K, vpk = K / NV;
+  constexpr int S = W - 1;
+  const int HK = H * K, vpk = K / NV;
   for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
     const int n = conv_seq_of(cu, N, t);
     const int64_t start = cu[n];
@@ -72,9 +77,27 @@ __global__ void gdn_conv_prep_kernel(
     const bool init = has_init == nullptr || has_init[n];
     const T* st = cs + slot * cs_slot;
     for (int c0 = threadIdx.x * NV; c0 < D; c0 += blockDim.x * NV) {
-      float acc[NV];
+      // The NV channels' W taps are NV * W contiguous elements = W whole vectors (the weights
+      // are read by every token: scalar loads here were most of the kernel's time).
+      float wv[NV * W];
 #pragma unroll
-      for (int u = 0; u < NV; ++u) acc[u] = bias != nullptr ? to_f(bias[c0 + u]) : 0.f;
+      for (int i = 0; i < W; ++i) {
+        Vec<T> r;
+        r.load(w + (int64_t)c0 * W + i * NV);
+#pragma unroll
+        for (int e = 0; e < NV; ++e) wv[i * NV + e] = r.f[e];
+      }
+      float acc[NV];
+      if (bias != nullptr) {
+        Vec<T> r;
+        r.load(bias + c0);
+#pragma unroll
+        for (int u = 0; u < NV; ++u) acc[u] = r.f[u];
+      } else {
+#pragma unroll
+        for (int u = 0; u < NV; ++u) acc[u] = 0.f;
+      }
+#pragma unroll
       for (int j = 0; j < W; ++j) {
         const int64_t src = t - S + j;
         float xv[NV];
@@ -90,7 +113,7 @@ __global__ void gdn_conv_prep_kernel(
             xv[u] = init ? to_f(st[(c0 + u) * cs_d + col * cs_w]) : 0.f;
         }
 #pragma unroll
-        for (int u = 0; u < NV; ++u) acc[u] += to_f(w[(int64_t)(c0 + u) * W + j]) * xv[u];
+        for (int u = 0; u < NV; ++u) acc[u] += wv[u * W + j] * xv[u];
       }
       float sq = 0.f;
 #pragma unroll
@@ -170,11 +193,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_conv_
                   weight.scalar_type() == x.scalar_type(),
               "gdn_conv_prep: weight [D, W] contiguous, x's dtype");
   const int64_t W = weight.size(1);
-  TORCH_CHECK(W >= 2, "gdn_conv_prep: conv width >= 2");
+  TORCH_CHECK(W == kConvWidth, "gdn_conv_prep: conv width 4 (Qwen3.5 / 3.6)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
+              "gdn_conv_prep: weight 16-byte aligned");
   if (bias.has_value())
     TORCH_CHECK(bias->numel() == D && bias->is_contiguous() &&
-                    bias->scalar_type() == x.scalar_type(),
-                "gdn_conv_prep: bias [D], x's dtype");
+                    bias->scalar_type() == x.scalar_type() &&
+                    reinterpret_cast<uintptr_t>(bias->data_ptr()) % 16 == 0,
+                "gdn_conv_prep: bias [D], x's dtype, 16-byte aligned");
   TORCH_CHECK(conv_states.dim() == 3 && conv_states.size(1) == D &&
                   conv_states.size(2) == W - 1 && conv_states.scalar_type() == x.scalar_type(),
               "gdn_conv_prep: conv_states [slots, D, W-1] in x's dtype (any strides)");
@@ -212,9 +238,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_conv_
     auto launch = [&](auto* cu) {
       using I_ = std::remove_const_t<std::remove_pointer_t<decltype(cu)>>;
       if (T > 0)
-        VO_LAUNCH((gdn_conv_prep_kernel<T_, I_>), std::min<int64_t>(T, 65535), kBlock, smem,
-            x.data_ptr<T_>(), x.stride(0), T, static_cast<int>(D), weight.data_ptr<T_>(), bp,
-            static_cast<int>(W), conv_states.data_ptr<T_>(), conv_states.stride(0),
+        VO_LAUNCH((gdn_conv_prep_kernel<T_, I_, kConvWidth>), std::min<int64_t>(T, 65535),
+            kBlock, smem, x.data_ptr<T_>(), x.stride(0), T, static_cast<int>(D),
+            weight.data_ptr<T_>(), bp, conv_states.data_ptr<T_>(), conv_states.stride(0),
             conv_states.stride(1), conv_states.stride(2), cu, static_cast<int>(N),
             slots.data_ptr<int64_t>(), hi, silu, a.data_ptr<T_>(), a.stride(0),
             b.data_ptr<T_>(), b.stride(0), A_log.data_ptr<float>(), dt_bias.data_ptr<float>(),

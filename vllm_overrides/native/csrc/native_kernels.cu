@@ -45,29 +45,63 @@ __global__ void gemma_rms_norm_kernel(const T* __restrict__ x, const T* __restri
 
 // GDN output norm per value head: out = rms(x) * w * act(z); x, z are [T, HV, V] with any
 // strides on the first two dims (z is a slice of the projection output), out contiguous.
+// One row (token, head) per group of kNormLanes lanes (a width that divides every warp, so the
+// row's sum is a group shuffle: no shared memory, no barrier), blockDim / kNormLanes rows per
+// block; with `vec` (rows of whole, aligned 16-byte vectors) each lane loads Vec<T> chunks.
+// A prefill of 16K tokens has 131K such rows: one block per row left most threads idle behind
+// two barriers (~7x its memory time on the H200).
+constexpr int kNormLanes = 16;
+
 template <typename T>
 __global__ void rms_norm_gated_kernel(const T* __restrict__ x, const T* __restrict__ z,
-                                      const T* __restrict__ weight, T* __restrict__ out, int HV,
-                                      int V, int64_t sx0, int64_t sx1, int64_t sz0, int64_t sz1,
-                                      float eps, bool sigmoid_gate) {
-  VO_DYN_SMEM(float, row);  // V floats
-  __shared__ float red[kMaxWarps];
-  const int64_t n = blockIdx.x;
-  const int64_t t = n / HV, h = n % HV;
+                                      const T* __restrict__ weight, T* __restrict__ out,
+                                      int64_t rows, int HV, int V, int64_t sx0, int64_t sx1,
+                                      int64_t sz0, int64_t sz1, float eps, bool sigmoid_gate,
+                                      bool vec) {
+  constexpr int N = Vec<T>::N;
+  const int lane = threadIdx.x % kNormLanes;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kNormLanes) +
+                    threadIdx.x / kNormLanes;
+  const bool live = n < rows;  // dead groups still take part in the (group-local) shuffle
+  const int64_t t = live ? n / HV : 0, h = live ? n % HV : 0;
   const T* xr = x + t * sx0 + h * sx1;
   const T* zr = z + t * sz0 + h * sz1;
-  float ss[1] = {0.f};
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = to_f(xr[i]);
-    row[i] = v;
-    ss[0] += v * v;
-  }
-  block_sum<1>(ss, red);
-  const float inv = rsqrtf(ss[0] / V + eps);
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+  T* orow = out + n * V;
+  auto finish = [&](float v, int i, float inv) {
     const float g = to_f(zr[i]);
-    const float gate = sigmoid_gate ? sigmoid_f(g) : silu_f(g);
-    out[n * V + i] = static_cast<T>(row[i] * inv * to_f(weight[i]) * gate);
+    return v * inv * to_f(weight[i]) * (sigmoid_gate ? sigmoid_f(g) : silu_f(g));
+  };
+  float ss = 0.f;
+  if (vec) {
+    for (int i = lane * N; live && i < V; i += kNormLanes * N) {
+      Vec<T> r;
+      r.load(xr + i);
+#pragma unroll
+      for (int u = 0; u < N; ++u) ss += r.f[u] * r.f[u];
+    }
+    const float inv = rsqrtf(group_sum(ss, kNormLanes) / V + eps);
+    for (int i = lane * N; live && i < V; i += kNormLanes * N) {
+      Vec<T> r, g, w;
+      r.load(xr + i);
+      g.load(zr + i);
+      w.load(weight + i);
+      uint4 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int u = 0; u < N; ++u) {
+        const float gate = sigmoid_gate ? sigmoid_f(g.f[u]) : silu_f(g.f[u]);
+        e[u] = static_cast<T>(r.f[u] * inv * w.f[u] * gate);
+      }
+      *reinterpret_cast<uint4*>(orow + i) = raw;
+    }
+  } else {
+    for (int i = lane; live && i < V; i += kNormLanes) {
+      const float v = to_f(xr[i]);
+      ss += v * v;
+    }
+    const float inv = rsqrtf(group_sum(ss, kNormLanes) / V + eps);
+    for (int i = lane; live && i < V; i += kNormLanes)
+      orow[i] = static_cast<T>(finish(to_f(xr[i]), i, inv));
   }
 }
 
@@ -481,12 +515,20 @@ at::Tensor rms_norm_gated(const at::Tensor& x, const at::Tensor& z, const at::Te
   auto out = at::empty(x.sizes(), x.options());
   const int64_t n = x3.size(0) * x3.size(1);
   if (n == 0) return out;
-  const int threads = V <= 128 ? 128 : kBlock;
+  // Whole 16-byte vectors: every row start (and the weight) 16-byte aligned.
+  const int64_t esz = x.element_size();
+  auto aligned = [&](const at::Tensor& t, int64_t s0, int64_t s1) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && (s0 * esz) % 16 == 0 &&
+           (s1 * esz) % 16 == 0;
+  };
+  const bool vec = (V * esz) % 16 == 0 && aligned(x3, x3.stride(0), x3.stride(1)) &&
+                   aligned(z3, z3.stride(0), z3.stride(1)) && aligned(w, 0, 0);
+  const int per_block = kBlock / kNormLanes;
   VO_DISPATCH_FLOATS(x.scalar_type(), "rms_norm_gated", [&] {
-    VO_LAUNCH(rms_norm_gated_kernel<scalar_t>, n, threads, V * sizeof(float),
+    VO_LAUNCH(rms_norm_gated_kernel<scalar_t>, (n + per_block - 1) / per_block, kBlock, 0,
         x3.data_ptr<scalar_t>(), z3.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
-        out.data_ptr<scalar_t>(), x3.size(1), V, x3.stride(0), x3.stride(1), z3.stride(0),
-        z3.stride(1), static_cast<float>(eps), sigmoid_gate);
+        out.data_ptr<scalar_t>(), n, x3.size(1), V, x3.stride(0), x3.stride(1), z3.stride(0),
+        z3.stride(1), static_cast<float>(eps), sigmoid_gate, vec);
   });
   return out;
 }
