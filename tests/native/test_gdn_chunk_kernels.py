@@ -239,8 +239,14 @@ def test_chunk_prefill_unsupported_shapes_take_the_torch_path(kdev: str, size: s
     kernels.FUSED_USED.discard("gdn_chunk_prefill")
     o, fin = _run(x, True, "cuda")
     assert "gdn_chunk_prefill" not in kernels.FUSED_USED
+    # Exactly the PyTorch path's results ...
+    to, tfin = _run(x, True, "torch")
+    assert torch.equal(o, to) and torch.equal(fin, tfin)
+    # ... which on a GPU run their GEMMs in TF32 (vLLM's matmul precision; ~2e-3 at 16K
+    # tokens in kernel_bench), on the CPU in float32.
+    tol = 1e-4 if kdev == "cpu" else 3e-3
     ro, rfin = _reference(x, True)
-    assert rel_err(o[0].cpu(), ro.cpu()) <= 1e-4 and rel_err(fin.cpu(), rfin.cpu()) <= 1e-4
+    assert rel_err(o[0].cpu(), ro.cpu()) <= tol and rel_err(fin.cpu(), rfin.cpu()) <= tol
 
 
 @pytest.mark.parametrize("kdev,size", cases(["tp4-varlen8"], ["small"]), indirect=["kdev"])

@@ -6,7 +6,8 @@
 //
 //   (a) prep (gdn_chunk_prep[_mma]_kernel), one block per (chunk slot, value head):
 //         G = in-chunk cumsum(g);  A = strict_lower(beta_i exp(G_i - G_j) k_i.k_j);
-//         T = (I + A)^-1 (float32 forward substitution in shared memory);
+//         T = (I + A)^-1 (float32 in shared memory: forward substitution by rows in the float32
+//         kernel; blocked over 16x16 blocks in the _mma one, see tri_inverse_blocked);
 //         W = T (beta exp(G) k),  U = T (beta v),  K~_j = exp(G_last - G_j) k_j
 //   (b) state pass (gdn_chunk_state[_mma]_kernel), one block per (sequence, value head, slice
 //       of V rows), walking that sequence's chunks in order:
@@ -640,9 +641,113 @@ __device__ __forceinline__ void frag_out(const FragC& f, float* __restrict__ scr
   __syncwarp();
 }
 
+// frag_out by runs of 8: put8(r, c0, x) gets row r's columns c0 .. c0 + 7 (c0 = 0 or 8), so
+// the caller packs 16-byte stores (one 16-byte store instead of eight 2-byte ones, and one
+// call per lane instead of eight on 32-lane warps: fewer instructions on the state pass's
+// serial path). 32 runs per tile, so lanes past 32 sit out. Warp-collective; `scr` is the
+// warp's 16-byte aligned scratch tile.
+template <typename F>
+__device__ __forceinline__ void frag_out8(const FragC& f, float* __restrict__ scr, F&& put8) {
+  wmma::store_matrix_sync(scr, f, 16, wmma::mem_row_major);
+  __syncwarp();
+  for (int e = threadIdx.x % warpSize; e < 32; e += warpSize) {
+    const float4 a = reinterpret_cast<const float4*>(scr)[2 * e];
+    const float4 b = reinterpret_cast<const float4*>(scr)[2 * e + 1];
+    const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    put8(e / 2, (e % 2) * 8, x);
+  }
+  __syncwarp();
+}
+
+// T = (I + A)^-1 of the prep_mma kernel, in place: A [C, C] float32 in shared memory (row
+// pitch lda) strictly lower with its diagonal stored (1, or 0 on rows past len, whose A rows
+// are all 0: their T rows come out 0, as the row-by-row substitution left them). Blocked, as
+// FLA's solve_tril, over the 16x16 blocks (i, j) of I + A = D + N (D its diagonal blocks):
+//   1. T_jj = D_j^-1: one thread per column of each diagonal block, forward substitution in
+//      registers (column sweep: t_r -= A_rm t_m, so the dependent chain is ~16 FMAs deep);
+//   2. B_im = T_ii A_im for the 6 blocks below the diagonal (i > m), stored in the unused
+//      upper block (m, i) of the same matrix; A's off-diagonal blocks are then dead;
+//   3. level by level (i - j = 1, 2, 3): T_ij = -sum_{m=j}^{i-1} B_im T_mj, over A_ij.
+// Every product float32 FMAs (T is split T_hi + T_lo later because its precision matters);
+// six barriers in all (the row-by-row substitution took two per row plus a group_sum). The
+// caller has A complete behind a barrier; on return T's lower triangle (its diagonal
+// included) is complete behind a barrier, and the blocks above the diagonal hold B (the
+// caller reads the lower triangle only). No shared memory beyond the matrix itself.
+constexpr int kSub = 16;                 // diagonal block size
+constexpr int kNSub = kChunk / kSub;     // 4 blocks per side
+constexpr int kNOff = kNSub * (kNSub - 1) / 2;  // 6 blocks below the diagonal
+static_assert(kNSub == 4 && kBlock >= 32 * kNSub, "4 diagonal blocks, a thread per column");
+
+__device__ __forceinline__ void tri_inverse_blocked(float* At, int lda) {
+  constexpr int S = kSub, SS = kSub * kSub;
+  const int tid = threadIdx.x;
+  // 1. Diagonal blocks: thread 32 b + c (c < 16) takes column c of block b (so the four
+  // blocks' columns run in different 32-lane warps; any warp width works). The block's A
+  // entries are broadcasts (same address for the block's threads).
+  {
+    const int b = tid / 32, c = tid % 32;
+    const bool act = b < kNSub && c < S;
+    float* d = At + (act ? b : 0) * S * (lda + 1);  // block b's top-left corner
+    float t[S];
+    if (act) {
+#pragma unroll
+      for (int r = 0; r < S; ++r) t[r] = r == c ? d[r * (lda + 1)] : 0.f;  // 1 (0 past len)
+      // t_r = -sum_{c<=m<r} A_rm t_m (the terms with m < c add exact zeros).
+#pragma unroll
+      for (int m = 0; m < S - 1; ++m)
+#pragma unroll
+        for (int r = m + 1; r < S; ++r) t[r] = fmaf(-d[r * lda + m], t[m], t[r]);
+    }
+    __syncthreads();  // every D_j read
+    if (act)
+#pragma unroll
+      for (int r = 0; r < S; ++r) d[r * lda + c] = t[r];
+  }
+  __syncthreads();
+  // 2. B_im = T_ii A_im (k = i (i - 1) / 2 + m enumerates the blocks i > m), at block (m, i).
+#pragma unroll
+  for (int u = 0; u < (kNOff * SS + kBlock - 1) / kBlock; ++u) {
+    const int e = tid + u * kBlock;
+    if (e < kNOff * SS) {
+      const int k = e / SS, r = e % SS / S, s = e % S;
+      const int i = k < 1 ? 1 : k < 3 ? 2 : 3, m = k - i * (i - 1) / 2;
+      const float* ti = At + i * S * (lda + 1) + r * lda;  // row r of T_ii
+      const float* am = At + i * S * lda + m * S + s;      // column s of A_im
+      float acc = 0.f;
+#pragma unroll
+      for (int q = 0; q < S; ++q) acc = fmaf(ti[q], am[q * lda], acc);
+      At[(m * S + r) * lda + i * S + s] = acc;
+    }
+  }
+  __syncthreads();
+  // 3. Off-diagonal T by levels; level lv reads blocks of levels < lv and writes its own.
+#pragma unroll
+  for (int lv = 1; lv < kNSub; ++lv) {
+    const int n = (kNSub - lv) * SS;
+#pragma unroll
+    for (int u = 0; u < (n + kBlock - 1) / kBlock; ++u) {
+      const int e = tid + u * kBlock;
+      if (e < n) {
+        const int j = e / SS, i = j + lv, r = e % SS / S, c = e % S;
+        float acc = 0.f;
+#pragma unroll
+        for (int mm = 0; mm < lv; ++mm) {
+          const int m = j + mm;
+          const float* bim = At + (m * S + r) * lda + i * S;  // row r of B_im
+          const float* tmj = At + m * S * lda + j * S + c;
+#pragma unroll
+          for (int q = 0; q < S; ++q) acc = fmaf(bim[q], tmj[q * lda], acc);
+        }
+        At[(i * S + r) * lda + j * S + c] = -acc;
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // (a) intra-chunk, one block per (chunk slot, value head). With k^ = rk k (rk the l2 factor):
 //   A = strict_lower(beta_i Gamma_ij rk_i rk_j (k k^T)_ij)  (raw k operands, factors in float),
-//   T = (I + A)^-1 (float32 forward substitution),
+//   T = (I + A)^-1 (float32, blocked: tri_inverse_blocked, six barriers),
 //   W = T diag(beta exp(G) rk) k,  U = T diag(beta) v       (raw k / v operands; the column
 //   scaled T split as T_hi + T_lo, both 16-bit, so T keeps ~16 significant bits),
 //   K~ = exp(G_last - G) rk k.
@@ -712,26 +817,14 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
                     : 0.f;
     }
     __syncthreads();
-    // T = (I + A)^-1 by rows, as in the float32 kernel (blockDim / C lanes per column sum).
-    {
-      const int lpr = blockDim.x / C, j = tid / lpr, part = tid % lpr;
-      for (int i = 1; i < len; ++i) {
-        float* ai = At + i * lda;
-        float t = 0.f;
-        if (j < i)
-          for (int m = j + 1 + part; m < i; m += lpr) t += ai[m] * At[m * lda + j];
-        t = group_sum(t, lpr);
-        __syncthreads();
-        if (j < i && part == 0) ai[j] = -(ai[j] + t);
-        __syncthreads();
-      }
-    }
+    // T = (I + A)^-1 in place, blocked (above the diagonal: scratch, not read).
+    tri_inverse_blocked(At, lda);
     // T to registers (its region becomes T_hi / T_lo); K~ straight to global.
     float tv[kAccCC];
 #pragma unroll
     for (int r = 0; r < kAccCC; ++r) {
       const int e = tid + r * kBlock;
-      tv[r] = At[(e / C) * lda + e % C];
+      tv[r] = e % C <= e / C ? At[(e / C) * lda + e % C] : 0.f;  // T is lower triangular
     }
     {
       const float glast = G[C - 1];
@@ -797,7 +890,9 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
 //   h  = exp(G_last) h + v'^T K~.
 // W and K~ (16-bit, [C, K]) of the next chunk load into registers and U (float) into
 // fragments while the current chunk computes; both W and K~ then sit in shared memory for the
-// chunk (three barriers per chunk). The 16-bit h entering each chunk goes to Hbuf.
+// chunk (three barriers per chunk). The 16-bit h entering each chunk goes to Hbuf. The walk
+// is bound by each warp's instruction chain (ncu, 16K tokens: 0.33 issues per cycle per
+// scheduler), so v' and h's 16-bit copies leave through frag_out8's 16-byte stores.
 constexpr int kMmaVs = 16;
 // v' enters the h update as v'_hi + v'_lo (two 16-bit halves, two products): with bf16 the
 // single rounding of v' was the largest error of the final state (emulated multi case:
@@ -840,8 +935,12 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
     // h0 through the scratch tile (the user's tensor need not be 32-byte aligned), and the
     // 16-bit copy.
     auto publish = [&](int r, int dt) {
-      frag_out(hf[r], scr, [&](int i, int cc, float x) {
-        hm[i * ldk + dt * 16 + cc] = Mma<T>::from(x);
+      frag_out8(hf[r], scr, [&](int i, int c0, const float (&x)[8]) {
+        uint4 u;  // 8 16-bit values
+        M* y = reinterpret_cast<M*>(&u);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] = Mma<T>::from(x[e]);
+        *reinterpret_cast<uint4*>(hm + i * ldk + dt * 16 + c0) = u;
       });
     };
 #pragma unroll
@@ -941,11 +1040,18 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
           }
           for (int e = 0; e < vf[r].num_elements; ++e) vf[r].x[e] += odd.x[e];
           M* vo = Vn + (ch * C + ti * 16) * V + v0;
-          frag_out(vf[r], scr, [&](int i, int cc, float x) {
-            const M y = Mma<T>::from(-x);
-            vm[(ti * 16 + i) * ldv + cc] = y;
-            if (kSplitV) vlo[(ti * 16 + i) * ldv + cc] = Mma<T>::from(-x - Mma<T>::to(y));
-            vo[i * V + cc] = y;
+          frag_out8(vf[r], scr, [&](int i, int c0, const float (&x)[8]) {
+            uint4 uh, ul;  // v' (16-bit) and v' - that, 8 values each
+            M* yh = reinterpret_cast<M*>(&uh);
+            M* yl = reinterpret_cast<M*>(&ul);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              yh[e] = Mma<T>::from(-x[e]);
+              if (kSplitV) yl[e] = Mma<T>::from(-x[e] - Mma<T>::to(yh[e]));
+            }
+            *reinterpret_cast<uint4*>(vm + (ti * 16 + i) * ldv + c0) = uh;
+            if (kSplitV) *reinterpret_cast<uint4*>(vlo + (ti * 16 + i) * ldv + c0) = ul;
+            *reinterpret_cast<uint4*>(vo + i * V + c0) = uh;
           });
         }
       }
