@@ -163,8 +163,13 @@ def post_conv_prep(
 # --------------------------------------------------------------------------------------------
 
 
+def is_silu(activation: str | bool | None) -> bool:
+    """Whether vLLM's conv ``activation`` argument means SiLU."""
+    return activation is True or activation in ("silu", "swish")
+
+
 def _activate(x: torch.Tensor, activation: str | bool | None) -> torch.Tensor:
-    if activation is True or activation in ("silu", "swish"):
+    if is_silu(activation):
         return F.silu(x)
     if activation in (None, False):
         return x

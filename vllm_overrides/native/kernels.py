@@ -262,7 +262,7 @@ def gdn_decode(
             leave every state untouched.
         num_k_heads: ``H`` (per rank); ``scale``: ``K ** -0.5``.
     """
-    silu = activation is True or activation in ("silu", "swish")
+    silu = gdn.is_silu(activation)
     ok = (
         use_cuda(mixed_qkv)
         and (silu or activation in (None, False))
@@ -314,7 +314,7 @@ def gdn_conv_prep(
     """:func:`.gdn.causal_conv1d_prefill` then :func:`.gdn.post_conv_prep` (same arguments,
     results and in-place conv-state update): two launches where the extension serves, else
     those two functions. Returns ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]``."""
-    silu = activation is True or activation in ("silu", "swish")
+    silu = gdn.is_silu(activation)
     nv = 16 // x.element_size()
     ok = (
         use_cuda(x)

@@ -162,4 +162,28 @@ struct Vec {
   }
 };
 
+// Store Vec<T>::N floats as one 16-byte vector of T.
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const float* f) {
+  uint4 raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < Vec<T>::N; ++i) e[i] = static_cast<T>(f[i]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// Largest s in [0, N) with starts[s] <= v, for cumulative starts[0..N] (starts[0] <= v <
+// starts[N]): the sequence that owns token (or chunk) v. Empty sequences share their start with
+// the next one; the last of them is the owner.
+template <typename I>
+__device__ __forceinline__ int owner_of(const I* __restrict__ starts, int N, int64_t v) {
+  int lo = 0, hi = N;  // starts[lo] <= v < starts[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (static_cast<int64_t>(starts[mid]) <= v) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
 }  // namespace

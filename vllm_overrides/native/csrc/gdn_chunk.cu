@@ -97,14 +97,7 @@ __device__ __forceinline__ bool chunk_pos(const int64_t* __restrict__ cu,
                                           const int64_t* __restrict__ offs, int N, int64_t c,
                                           ChunkPos& p) {
   if (c >= offs[N]) return false;
-  // Largest s with offs[s] <= c (empty sequences share an offset with their successor; the
-  // last such s is the one that owns chunk c).
-  int lo = 0, hi = N;  // offs[lo] <= c < offs[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (offs[mid] <= c) lo = mid;
-    else hi = mid;
-  }
+  const int lo = owner_of(offs, N, c);
   p.seq = lo;
   p.start = cu[lo] + (c - offs[lo]) * kChunk;
   const int64_t rest = cu[lo + 1] - p.start;

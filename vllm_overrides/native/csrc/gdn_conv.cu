@@ -30,29 +30,6 @@ namespace {
 // weights of a thread's channels then sit in registers. Other widths take the PyTorch path.
 constexpr int kConvWidth = 4;
 
-// Store N floats as one 16-byte vector of T.
-template <typename T>
-__device__ __forceinline__ void conv_store_vec(T* p, const float* f) {
-  uint4 raw;
-  T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < Vec<T>::N; ++i) e[i] = static_cast<T>(f[i]);
-  *reinterpret_cast<uint4*>(p) = raw;
-}
-
-// Largest n with cu[n] <= t (a token's sequence; empty sequences share their start with the
-// next one, and the last such n owns the token).
-template <typename I>
-__device__ __forceinline__ int conv_seq_of(const I* __restrict__ cu, int N, int64_t t) {
-  int lo = 0, hi = N;  // cu[lo] <= t < cu[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (static_cast<int64_t>(cu[mid]) <= t) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
-
 template <typename T, typename I, int W>
 __global__ void gdn_conv_prep_kernel(
     const T* __restrict__ x, int64_t s_x, int64_t T_, int D,                      // [T, D]
@@ -71,7 +48,7 @@ __global__ void gdn_conv_prep_kernel(
   constexpr int S = W - 1;
   const int HK = H * K, vpk = K / NV;
   for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
-    const int n = conv_seq_of(cu, N, t);
+    const int n = owner_of(cu, N, t);
     const int64_t start = cu[n];
     const int64_t slot = slots[n] < 0 ? 0 : slots[n];  // pad slots read slot 0, as gdn.py
     const bool init = has_init == nullptr || has_init[n];
@@ -143,9 +120,9 @@ __global__ void gdn_conv_prep_kernel(
       }
 #pragma unroll
       for (int u = 0; u < NV; ++u) o[u] = y[c0 + u] * f;
-      if (c0 < HK) conv_store_vec(q_out + t * HK + c0, o);
-      else if (c0 < 2 * HK) conv_store_vec(k_out + t * HK + (c0 - HK), o);
-      else conv_store_vec(v_out + t * (D - 2 * HK) + (c0 - 2 * HK), o);
+      if (c0 < HK) store_vec(q_out + t * HK + c0, o);
+      else if (c0 < 2 * HK) store_vec(k_out + t * HK + (c0 - HK), o);
+      else store_vec(v_out + t * (D - 2 * HK) + (c0 - 2 * HK), o);
     }
     __syncthreads();  // y / part are rewritten for the next token
   }

@@ -19,16 +19,6 @@
 
 namespace {
 
-// Store N floats as one 16-byte vector of T.
-template <typename T>
-__device__ __forceinline__ void store_vec(T* p, const float (&f)[Vec<T>::N]) {
-  uint4 raw;
-  T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < Vec<T>::N; ++i) e[i] = static_cast<T>(f[i]);
-  *reinterpret_cast<uint4*>(p) = raw;
-}
-
 // ------------------------------------------------------------------------------------------
 // Routing (group_topk): many tokens per block, one lane group per token. With `counts`
 // (prefill), each chosen expert's count too: a block-local histogram, then one global atomic

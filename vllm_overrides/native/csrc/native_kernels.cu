@@ -67,10 +67,6 @@ __global__ void rms_norm_gated_kernel(const T* __restrict__ x, const T* __restri
   const T* xr = x + t * sx0 + h * sx1;
   const T* zr = z + t * sz0 + h * sz1;
   T* orow = out + n * V;
-  auto finish = [&](float v, int i, float inv) {
-    const float g = to_f(zr[i]);
-    return v * inv * to_f(weight[i]) * (sigmoid_gate ? sigmoid_f(g) : silu_f(g));
-  };
   float ss = 0.f;
   if (vec) {
     for (int i = lane * N; live && i < V; i += kNormLanes * N) {
@@ -85,14 +81,11 @@ __global__ void rms_norm_gated_kernel(const T* __restrict__ x, const T* __restri
       r.load(xr + i);
       g.load(zr + i);
       w.load(weight + i);
-      uint4 raw;
-      T* e = reinterpret_cast<T*>(&raw);
+      float o[N];
 #pragma unroll
-      for (int u = 0; u < N; ++u) {
-        const float gate = sigmoid_gate ? sigmoid_f(g.f[u]) : silu_f(g.f[u]);
-        e[u] = static_cast<T>(r.f[u] * inv * w.f[u] * gate);
-      }
-      *reinterpret_cast<uint4*>(orow + i) = raw;
+      for (int u = 0; u < N; ++u)
+        o[u] = r.f[u] * inv * w.f[u] * (sigmoid_gate ? sigmoid_f(g.f[u]) : silu_f(g.f[u]));
+      store_vec(orow + i, o);
     }
   } else {
     for (int i = lane; live && i < V; i += kNormLanes) {
@@ -100,8 +93,11 @@ __global__ void rms_norm_gated_kernel(const T* __restrict__ x, const T* __restri
       ss += v * v;
     }
     const float inv = rsqrtf(group_sum(ss, kNormLanes) / V + eps);
-    for (int i = lane; live && i < V; i += kNormLanes)
-      orow[i] = static_cast<T>(finish(to_f(xr[i]), i, inv));
+    for (int i = lane; live && i < V; i += kNormLanes) {
+      const float g = to_f(zr[i]);
+      orow[i] = static_cast<T>(to_f(xr[i]) * inv * to_f(weight[i]) *
+                               (sigmoid_gate ? sigmoid_f(g) : silu_f(g)));
+    }
   }
 }
 
