@@ -87,6 +87,13 @@ KERNEL_BLOCK_ALIGNMENT = 16
 # uncertain by ~2 blocks per 8,192 batched tokens; a margin under 4 blocks (2,112 tokens at
 # TP4) is reported as WARN rather than GO.
 UNCERTAINTY_BLOCKS = 4
+# vLLM's profile run ends with a dummy sampler run over max_num_seqs rows of full-vocabulary
+# logits (top-k + top-p through forward_native on a card without Triton or FlashInfer): 5.21
+# MiB of transient buffers per sequence at vocab 248,320, measured with upstream's own Sampler
+# by worklogs/sampler_peak.py (worklogs/results/sampler-peak.json). Whether it or the forward
+# pass sets the profile's peak on the card is not known, so a lower --max-num-seqs than the
+# seed's is reported as KV capacity it may free, never counted towards GO.
+SAMPLER_MIB_PER_SEQ_PER_VOCAB = 5.21 / 248_320
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,6 +118,7 @@ class SeedRuns:
     gpu_memory_utilization: float = 0.9
     tp: int = 4
     weights_gib: float = 16.2  # "Weights ... take ~16.2 GB per card at TP4" (vLLM logs GiB)
+    max_num_seqs: int = 256  # vLLM's default below 70 GiB of device memory (not set by the seed)
     runs: tuple[Observation, ...] = (
         Observation(16_384, True),
         Observation(24_576, False, 233_056),
@@ -476,6 +484,11 @@ class MemoryPlan:
     # What would make it fit, the other settings unchanged (None: nothing in range does).
     max_batched_tokens_that_fit: int | None = None
     min_util_that_fits: float | None = None
+    # Sampler buffers the launch's --max-num-seqs saves against the seed's, and the capacity if
+    # the dummy sampler run is what set the seed's profile peak (an upper bound; not in GO).
+    max_num_seqs: int | None = None
+    sampler_saving_gib: float = 0.0
+    kv_capacity_tokens_upper: int | None = None
 
     @property
     def starts(self) -> bool:
@@ -497,6 +510,7 @@ def memory_plan(
     weights_gib: float | None = None,
     calibration: Calibration | None = None,
     checkpoint_blocks: int = 0,
+    max_num_seqs: int | None = None,
 ) -> MemoryPlan:
     cal = calibration or calibrate(facts, kv_dtype_bytes=dtype_bytes)
     layout = kv_layout(facts, tp, dtype_bytes, prefix_caching, checkpoint_blocks=checkpoint_blocks)
@@ -514,6 +528,11 @@ def memory_plan(
     min_util = (
         needed + fixed + cal.activation_bytes_per_batched_token * max_num_batched_tokens
     ) / (mem_per_card_gib * GIB)
+    saving = 0.0
+    if max_num_seqs is not None and max_num_seqs < SEED.max_num_seqs:
+        per_seq = SAMPLER_MIB_PER_SEQ_PER_VOCAB * facts.vocab_size * MIB / GIB
+        saving = per_seq * (SEED.max_num_seqs - max_num_seqs)
+    upper = layout.capacity_tokens((kv + saving) * GIB) if saving and kv + saving > 0 else None
     return MemoryPlan(
         tp=tp,
         mem_per_card_gib=mem_per_card_gib,
@@ -535,6 +554,9 @@ def memory_plan(
         full_length_sequences=capacity / max_model_len if max_model_len else 0.0,
         max_batched_tokens_that_fit=fit_tokens,
         min_util_that_fits=math.ceil(min_util * 1000) / 1000 if min_util <= 1 else None,
+        max_num_seqs=max_num_seqs,
+        sampler_saving_gib=saving,
+        kv_capacity_tokens_upper=upper,
     )
 
 
@@ -801,7 +823,13 @@ def check_memory(plan: MemoryPlan) -> Check:
         status,
         f"{plan.kv_capacity_tokens:,} tokens {'>=' if plan.starts else '<'} max_model_len "
         f"{plan.max_model_len:,} (margin {plan.margin_tokens:+,}; KV {plan.kv_gib:.2f} GiB, "
-        f"weights {plan.weights_gib:.2f}, profile peak {plan.activation_peak_gib:.2f}){hint}",
+        f"weights {plan.weights_gib:.2f}, profile peak {plan.activation_peak_gib:.2f}){hint}"
+        + (
+            f"; --max-num-seqs {plan.max_num_seqs} may free {plan.sampler_saving_gib:.2f} GiB "
+            f"of sampler buffers: up to {plan.kv_capacity_tokens_upper:,} tokens"
+            if plan.kv_capacity_tokens_upper
+            else ""
+        ),
         data,
     )
 
@@ -867,6 +895,7 @@ def run_preflight(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]
         weights_gib=args.weights_gib,
         calibration=cal,
         checkpoint_blocks=ckpt,
+        max_num_seqs=flag("--max-num-seqs", None, int),
     )
     checks.append(check_memory(plan))
     extra["memory"] = asdict(plan)

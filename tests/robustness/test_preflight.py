@@ -356,3 +356,30 @@ def test_small_margin_is_a_warning_and_no_go_names_the_fix(facts: pf.ModelFacts)
         max_model_len=262_144,
     )
     assert util.starts
+
+
+def test_max_num_seqs_is_reported_capacity_never_counted_towards_go(
+    facts: pf.ModelFacts, config: RunConfig
+) -> None:
+    """A --max-num-seqs below the seed's (vLLM's default 256) shrinks the profile's dummy
+    sampler buffers in proportion; the plan reports the KV it may free as an upper bound and
+    keeps the GO capacity where the seed's calibration puts it."""
+    kw: dict[str, Any] = dict(
+        tp=4, mem_per_card_gib=32, gpu_memory_utilization=0.9,
+        max_num_batched_tokens=8192, max_model_len=262_144,
+    )  # fmt: skip
+    base = pf.memory_plan(facts, **kw)
+    assert base.sampler_saving_gib == 0 and base.kv_capacity_tokens_upper is None
+    assert pf.memory_plan(facts, max_num_seqs=256, **kw).kv_capacity_tokens_upper is None
+    small = pf.memory_plan(facts, max_num_seqs=16, **kw)
+    tiny = pf.memory_plan(facts, max_num_seqs=1, **kw)
+    assert small.kv_capacity_tokens == base.kv_capacity_tokens  # GO is unchanged
+    per_seq_gib = pf.SAMPLER_MIB_PER_SEQ_PER_VOCAB * facts.vocab_size / 1024
+    assert small.sampler_saving_gib == pytest.approx(per_seq_gib * 240)
+    assert tiny.sampler_saving_gib > small.sampler_saving_gib
+    assert base.kv_capacity_tokens < small.kv_capacity_tokens_upper < tiny.kv_capacity_tokens_upper
+    # The shipped launch sets it: at most what the platform drives, at least the checks' n = 2.
+    seqs = int(pf.get_flag(config.command, "--max-num-seqs") or 256)
+    assert 2 <= seqs < 256
+    check = pf.check_memory(pf.memory_plan(facts, max_num_seqs=seqs, **kw))
+    assert check.status == pf.GO and f"--max-num-seqs {seqs} may free" in check.detail
