@@ -977,6 +977,14 @@ def run_prefill_variant(
     res["ms"] = statistics.median(reps)
     res["ms_reps"] = reps
     res["tokens_per_s"] = T * 1e3 / res["ms"]
+    if dev.type == "cuda":  # the step's transient buffers over what it starts with (issue 13)
+        sync(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        m.step()
+        sync(dev)
+        res["peak_transient_mib"] = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
+        restore()
     prof = count_launches(m.step, dev)
     res["launches"] = prof["launches"]
     if "device_us" in prof:
@@ -1119,7 +1127,7 @@ def render_prefill(results: dict[str, Any]) -> str:
     ]
     cols = ["T", "cached", "variant", "ms", "dev ms", "tok/s", "GEMM TF", "floor ms", "x floor",
             "gdn mix", "chunk", "attn mix", "sdpa", "moe", "rest", "err vs torch",
-            "BI-V100 ms", "BI tok/s"]  # fmt: skip
+            "BI-V100 ms", "BI tok/s", "peak MiB"]  # fmt: skip
     rows = [cols]
     for c in results["cases"]:
         lead = [str(c["tokens"]), str(c["cached"]), c["variant"]]
@@ -1133,14 +1141,15 @@ def render_prefill(results: dict[str, Any]) -> str:
             _f(p["gdn_mixer"], ".2f"), _f(p["gdn_chunk_core"], ".2f"), _f(p["attn_mixer"], ".2f"),
             _f(p["attn_sdpa"], ".2f"), _f(p["moe_block"], ".2f"), _f(c["rest_ms"], ".1f"),
             _f(c["logits_rel_err_vs_torch"], ".1e"), _f(t.get("ms"), ".0f"),
-            _f(t.get("tokens_per_s"), ".0f"),
+            _f(t.get("tokens_per_s"), ".0f"), _f(c.get("peak_transient_mib"), ".0f"),
         ])  # fmt: skip
     full = [r for r in rows if len(r) == len(cols)]
     widths = [max(len(r[i]) for r in full) for i in range(len(cols))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=False)) for r in rows]
     lines.append(
         "parts: ms of ONE gdn mixer (x{g}) / its chunk core / ONE attention mixer (x{a}) / its "
-        "SDPA / ONE MoE block (x{n}); rest = step - parts x counts (norms, residual adds)".format(
+        "SDPA / ONE MoE block (x{n}); rest = step - parts x counts (norms, residual adds); peak "
+        "MiB = the step's transient allocations over what it starts with".format(
             g=m["shapes"]["layers"] - m["n_attn"], a=m["n_attn"], n=m["shapes"]["layers"]
         )
     )

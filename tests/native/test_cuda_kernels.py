@@ -86,25 +86,73 @@ def _check(fused: torch.Tensor, torch_path: torch.Tensor, ref: torch.Tensor, dty
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
-@pytest.mark.parametrize(
-    "kdev,shape",
-    cases([(1, 2048), (7, 2048), (3, 5, 128)], [(2, 2048), (3, 5, 128)]),
-    indirect=["kdev"],
-)
-def test_gemma_rms_norm(kdev: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    x = torch.randn(shape, device=kdev).to(dtype)
-    res = torch.randn(shape, device=kdev).to(dtype)
-    w = (torch.randn(shape[-1], device=kdev) * 0.1).to(dtype)
-    r = _both(kernels.gemma_rms_norm, x, w, 1e-6)
+def _both_in_place(fn, *args):  # noqa: ANN001, ANN002, ANN202 - small test helper
+    """:func:`_both` without the clones (they would realign misaligned views)."""
+    out = {}
+    for name in ("cuda", "torch"):
+        kernels.set_backend(name)
+        out[name] = (fn(*args), args)
+    kernels.set_backend("cuda")
+    return out
+
+
+def _check_gemma(
+    x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, clone: bool = True
+) -> None:
+    """Both gemma norms (plain and residual-fused) on the kernels vs float64 and PyTorch."""
+    run = _both if clone else _both_in_place
+    r = run(kernels.gemma_rms_norm, x, w, 1e-6)
     ref = rref.gemma_rms_norm_reference(x.cpu(), w.cpu(), 1e-6)
     _check(r["cuda"][0].cpu(), r["torch"][0].cpu(), ref, dtype)
-    r = _both(kernels.gemma_rms_norm, x, w, 1e-6, res)
+    r = run(kernels.gemma_rms_norm, x, w, 1e-6, res)
     ref_out, ref_sum = rref.gemma_fused_add_rms_norm_reference(x.cpu(), res.cpu(), w.cpu(), 1e-6)
     (out_c, res_c), (out_t, res_t) = r["cuda"][0], r["torch"][0]
     _check(out_c.cpu(), out_t.cpu(), ref_out, dtype)
     assert torch.equal(res_c, res_t)  # the new residual is x + residual rounded once
     assert rel_err(res_c.cpu(), ref_sum) <= TOL[dtype]
+
+
+# Hidden sizes (every lane geometry of gemma_rms_norm_launch): whole 16-byte vectors (2048: one
+# per lane of a 256-thread block; 128, 400: a 16-lane group per row with 1 to 4 vectors per lane,
+# the last block partly idle; 1024, 4160: the test build's 128-thread blocks with 1 and more than
+# 4 vectors per lane, the latter read twice) and the scalar path (13, 30, 42: a lane group with 1
+# to 4 elements per lane, rows over several blocks; 100 in 16-bit types; 2050: longer than the
+# registers hold).
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
+@pytest.mark.parametrize(
+    "kdev,shape",
+    cases(
+        [(1, 2048), (7, 2048), (32, 2048), (16384, 2048), (3, 5, 128), (4, 400), (5, 100),
+         (17, 13), (6, 30), (9, 42), (2, 2050), (3, 8200)],
+        [(2, 2048), (1, 2048), (3, 5, 128), (4, 400), (3, 1024), (2, 4160), (5, 100), (17, 13),
+         (6, 30), (9, 42), (2, 2050)],
+    ),
+    indirect=["kdev"],
+)  # fmt: skip
+def test_gemma_rms_norm(kdev: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, device=kdev).to(dtype)
+    res = torch.randn(shape, device=kdev).to(dtype)
+    w = (torch.randn(shape[-1], device=kdev) * 0.1).to(dtype)
+    _check_gemma(x, res, w, dtype)
+
+
+# Rows of whole vectors whose pointers are one element off 16-byte alignment: the scalar path.
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
+@pytest.mark.parametrize("kdev,which", cases(["x", "residual", "weight"], ["x", "residual", "weight"]),
+                         indirect=["kdev"])  # fmt: skip
+def test_gemma_rms_norm_misaligned(kdev: str, dtype: torch.dtype, which: str) -> None:
+    rows, H = 3, 256
+
+    def make(n: int, off: bool, scale: float = 1.0) -> torch.Tensor:
+        t = (torch.randn(n + 1, device=kdev) * scale).to(dtype)
+        return t[1:] if off else t[:n]
+
+    x = make(rows * H, which == "x").view(rows, H)
+    res = make(rows * H, which == "residual").view(rows, H)
+    w = make(H, which == "weight", 0.1)
+    for name, t in (("x", x), ("residual", res), ("weight", w)):
+        assert (t.data_ptr() % 16 != 0) == (which == name)
+    _check_gemma(x, res, w, dtype, clone=False)
 
 
 # (T, HV, V): rows of whole 16-byte vectors (the vector loads; 40 rows leave the last block's

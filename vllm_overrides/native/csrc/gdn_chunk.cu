@@ -30,12 +30,14 @@
 //   accumulator fragments for the whole walk), v' (split v'_hi + v'_lo in the state update,
 //   single in the output) and S = lower(Gamma) * q k^T. Scratch: G, U, final state float32;
 //   W, K~, v', h_c in the input dtype. Shared memory (K = V = 128, kBlock 256): prep 44 KB,
-//   state 52 KB (W and K~ of a chunk both resident: opt-in attribute), output 35 KB. The
-//   state pass uses 16-row V slices (one wmma tile row; v_split is not used), warp w keeping
-//   h tiles w, w + nwarps, ...; the next chunk's W, K~ (registers) and U (fragments) load
-//   while the current chunk computes. Each warp stages accumulator tiles through its own
-//   16x16 float scratch tile for per-row scaling and dtype conversion (the fragment's element
-//   -> (row, col) map is unspecified). Tiles are handed to warps in loops over
+//   state 52 KB (W and K~ of a chunk both resident: opt-in attribute), output 90 KB (q, k,
+//   h and v' all resident: opt-in; two blocks per SM on an H200). The state pass uses
+//   16-row V slices (one wmma tile row; v_split is not used), warp w keeping h tiles w,
+//   w + nwarps, ...; the next chunk's W, K~ (registers) and U (fragments) load while the
+//   current chunk computes. Each warp stages accumulator tiles through its own 16x16 float
+//   scratch tile for per-row scaling and dtype conversion (the fragment's element -> (row,
+//   col) map is unspecified; the output pass scales instead by an accumulator fragment loaded
+//   from a tile of its row factors). Tiles are handed to warps in loops over
 //   blockDim / warpSize warps, so any warp width works (wmma is warp-collective).
 // * float32: float32 FMA loops over shared-memory tiles (16-bit operands would miss float32
 //   accuracy), in which a thread keeps one output column for several rows in registers, so
@@ -602,15 +604,19 @@ struct StateLayout {  // W | K~ | h | v' hi, lo (all 16-bit) | scratch
     total = scratch + kScratchBytes;
   }
 };
-struct OutLayout {  // vectors | q rows (16-bit) | k rows, then S (16-bit) + scratch
-  int q, k, s, scratch, total;
-  __host__ __device__ OutLayout(int K) {
-    q = round128(4 * kChunk * 4);
+// vectors, row-factor tiles | q rows | k rows, then S + scratch | h [V, K] | v' [C, V] (16-bit)
+struct OutLayout {
+  int rt, q, k, s, scratch, h, vn, total;
+  __host__ __device__ OutLayout(int K, int V) {
+    rt = round128(3 * kChunk * 4);
+    q = rt + kChunk * 16 * 4;
     k = q + round128(kChunk * pitch16(K) * 2);
     s = k;
     scratch = s + round128(kChunk * pitch16(kChunk) * 2);
     const int kend = k + round128(kChunk * pitch16(K) * 2);
-    total = (scratch + kScratchBytes > kend ? scratch + kScratchBytes : kend);
+    h = (scratch + kScratchBytes > kend ? scratch + kScratchBytes : kend);
+    vn = h + round128(V * pitch16(K) * 2);
+    total = vn + round128(kChunk * pitch16(V) * 2);
   }
 };
 
@@ -621,6 +627,46 @@ __device__ __forceinline__ void load_rows16(M* __restrict__ dst, int ld, const T
   for (int e = threadIdx.x; e < kChunk * D; e += blockDim.x) {
     const int r = e / D, c = e % D;
     dst[r * ld + c] = Mma<T>::from(r < len ? to_f(x[r * stride + c]) : 0.f);
+  }
+}
+
+// 16-byte vectors of a [rows, D] 16-bit operand (row stride `stride` elements), in registers:
+// thread tid holds row e / (D / 8), columns (e % (D / 8)) * 8 .. + 7, for e = tid + r * kBlock
+// (zero at or past row `len`). `vec`: x allows 16-byte loads; else eight 16-bit loads build
+// the same vector (T, at::Half / at::BFloat16, has the bits of its wmma type). store_vecs puts
+// them in shared memory (row pitch ld). Loading everything first keeps the loads in flight
+// together.
+template <int N, typename T>
+__device__ __forceinline__ void load_vecs(uint4 (&st)[N], const T* __restrict__ x,
+                                          int64_t stride, int rows, int len, int D, bool vec) {
+  static_assert(sizeof(T) == 2, "16-bit operands");
+  const int per = D / 8;
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    const int e = threadIdx.x + r * kBlock, row = e / per;
+    st[r] = uint4{0u, 0u, 0u, 0u};
+    if (e < rows * per && row < len) {
+      const T* p = x + row * stride + (e % per) * 8;
+      if (vec) {
+        st[r] = *reinterpret_cast<const uint4*>(p);
+      } else {
+        const uint16_t* p16 = reinterpret_cast<const uint16_t*>(p);
+        uint16_t* y = reinterpret_cast<uint16_t*>(&st[r]);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) y[u] = p16[u];
+      }
+    }
+  }
+}
+
+template <int N, typename M>
+__device__ __forceinline__ void store_vecs(M* __restrict__ dst, int ld, const uint4 (&st)[N],
+                                           int rows, int D) {
+  const int per = D / 8;
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    const int e = threadIdx.x + r * kBlock;
+    if (e < rows * per) *reinterpret_cast<uint4*>(dst + (e / per) * ld + (e % per) * 8) = st[r];
   }
 }
 
@@ -1089,10 +1135,17 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
 //   S = lower(Gamma) * (rq rk^T scale) * (q k^T)   (raw q / k operands; factors in float,
 //       then S rounded to 16 bits),
 //   o = diag(exp(G) rq scale) (q h^T) + S v'.
-// A warp takes one [16, 16] output tile at a time (q h^T over K, the row factor applied
-// through its scratch tile, then S v' over the tile's lower row of S), so only one
-// accumulator is live per warp.
+// q, k, h and v' (16-bit) are all staged in shared memory at the start with 16-byte loads
+// (all in flight together; the l2 norms come from the same registers), so every B fragment is
+// a shared-memory load. A warp owns one 16-row strip of the output: its q A fragments (all of
+// K) and its row of S fragments stay in registers across the strip's column tiles. The row
+// factor is applied to q h^T in float, element-wise, with an accumulator fragment loaded
+// from a [16, 16] tile of the strip's factors (R[r][c] = rf[r]): the same fragment type has
+// the same element -> (row, col) map, so no scratch round trip; then S v' accumulates on top.
+// Output tiles leave through frag_out8 as 16-byte stores.
 constexpr int kSFrags = (10 + kBlock / 64 - 1) / (kBlock / 64);  // lower S tiles per warp
+constexpr int kRowVecs = kChunk * kMaxDim / 8 / kBlock;  // uint4 per thread: [C, D] operand
+constexpr int kStateVecs = kMaxDim * kMaxDim / 8 / kBlock;  // uint4 per thread: [V, K] h
 
 template <typename T>
 __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
@@ -1106,17 +1159,19 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
     using M = typename Mma<T>::type;
     constexpr int C = kChunk;
     VO_GDN_SMEM(smb);
-    const OutLayout L(K);
+    const OutLayout L(K, V);
     float* G = reinterpret_cast<float*>(smb);
     float* rq = G + C;
     float* rk = rq + C;
-    float* rf = rk + C;  // exp(G) rq scale: the state term's row factor
+    float* Rt = reinterpret_cast<float*>(smb + L.rt);  // [C][16]: rf of row i, 16 times
     M* qs = reinterpret_cast<M*>(smb + L.q);
     M* ks = reinterpret_cast<M*>(smb + L.k);
     M* Sm = reinterpret_cast<M*>(smb + L.s);  // over ks once S is in registers
+    M* hs = reinterpret_cast<M*>(smb + L.h);
+    M* vs = reinterpret_cast<M*>(smb + L.vn);
     const int warp = threadIdx.x / warpSize, nwarps = blockDim.x / warpSize;
     float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * 256;
-    const int ldk = pitch16(K), lds = pitch16(C);
+    const int ldk = pitch16(K), lds = pitch16(C), ldv = pitch16(V);
     const int64_t c = blockIdx.x;
     const int hv = blockIdx.y, kh = hv / (HV / H), tid = threadIdx.x;
     ChunkPos p;
@@ -1125,23 +1180,54 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
     const int64_t sk = (int64_t)H * K, ch = c * HV + hv;
     const T* qp = q + p.start * sk + (int64_t)kh * K;
     const T* kp = k + p.start * sk + (int64_t)kh * K;
+    // q, k are the caller's tensors (a view need not be 16-byte aligned); h, v' are ours.
+    const bool vec = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k)) & 15) == 0;
+    uint4 sq[kRowVecs], skv[kRowVecs], sh[kStateVecs], sv[kRowVecs];
+    load_vecs(sq, qp, sk, C, len, K, vec);
+    load_vecs(skv, kp, sk, C, len, K, vec);
+    load_vecs(sh, Hbuf + ch * (int64_t)V * K, K, V, V, K, true);
+    load_vecs(sv, Vn + ch * (int64_t)C * V, V, C, C, V, true);
     if (tid < C) G[tid] = Gbuf[ch * C + tid];
-    row_factors(qp, sk, len, K, l2, rq);
-    row_factors(kp, sk, len, K, l2, rk);
-    load_rows16(qs, ldk, qp, sk, len, K);
-    load_rows16(ks, ldk, kp, sk, len, K);
+    // Row factors rsqrt(|x|^2 + 1e-6) (l2) or 1, 0 past len, from the staged vectors: the
+    // K / 8 consecutive lanes holding a row (a power of two <= 16) sum their squares.
+    auto factors = [&](const uint4 (&st)[kRowVecs], float* out) {
+      const int per = K / 8;
+#pragma unroll
+      for (int r = 0; r < kRowVecs; ++r) {
+        const int e = tid + r * kBlock, row = e / per;
+        float ss = 0.f;
+        if (l2) {
+          const M* y = reinterpret_cast<const M*>(&st[r]);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) ss += Mma<T>::to(y[u]) * Mma<T>::to(y[u]);
+          ss = group_sum(ss, per);  // every thread takes part (uniform branch)
+        }
+        if (e < C * per && e % per == 0)
+          out[row] = row < len ? (l2 ? rsqrtf(ss + 1e-6f) : 1.f) : 0.f;
+      }
+    };
+    factors(sq, rq);
+    factors(skv, rk);
+    store_vecs(qs, ldk, sq, C, K);
+    store_vecs(ks, ldk, skv, C, K);
+    store_vecs(hs, ldk, sh, V, K);
+    store_vecs(vs, ldv, sv, C, V);
     __syncthreads();
-    if (tid < C) rf[tid] = expf(G[tid]) * rq[tid] * scale;
+    for (int e = tid; e < C * 16; e += blockDim.x) {  // rf = exp(G) rq scale, per row
+      const int i = e / 16;
+      Rt[e] = expf(G[i]) * rq[i] * scale;
+    }
 
-    // q k^T, lower tiles, kept in registers until every warp is done with ks.
+    // q k^T, lower tiles, kept in registers until every warp is done with ks (tiles wholly in
+    // padded rows are never read: skipped).
     FragC sf[kSFrags];
 #pragma unroll
     for (int r = 0; r < kSFrags; ++r) {
       const int t = warp + r * nwarps;
-      if (t < 10) {
-        int ti = 0;
-        while ((ti + 1) * (ti + 2) / 2 <= t) ++ti;
-        const int tj = t - ti * (ti + 1) / 2;
+      int ti = 0;
+      while ((ti + 1) * (ti + 2) / 2 <= t) ++ti;
+      const int tj = t - ti * (ti + 1) / 2;
+      if (t < 10 && ti * 16 < len) {
         wmma::fill_fragment(sf[r], 0.f);
         for (int kk = 0; kk < K; kk += 16) {
           FragA<M> a;
@@ -1156,53 +1242,73 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
 #pragma unroll
     for (int r = 0; r < kSFrags; ++r) {
       const int t = warp + r * nwarps;
-      if (t < 10) {
-        int ti = 0;
-        while ((ti + 1) * (ti + 2) / 2 <= t) ++ti;
-        const int tj = t - ti * (ti + 1) / 2;
-        frag_out(sf[r], scr, [&](int a, int b, float x) {
-          const int i = ti * 16 + a, j = tj * 16 + b;
-          Sm[i * lds + j] = Mma<T>::from(
-              j <= i && i < len ? expf(G[i] - G[j]) * rq[i] * rk[j] * scale * x : 0.f);
+      int ti = 0;
+      while ((ti + 1) * (ti + 2) / 2 <= t) ++ti;
+      const int tj = t - ti * (ti + 1) / 2;
+      if (t < 10 && ti * 16 < len) {
+        frag_out8(sf[r], scr, [&](int a, int b0, const float (&x)[8]) {
+          const int i = ti * 16 + a, j0 = tj * 16 + b0;
+          uint4 u;  // 8 16-bit values of S row i
+          M* y = reinterpret_cast<M*>(&u);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const int j = j0 + e;
+            y[e] = Mma<T>::from(
+                j <= i && i < len ? expf(G[i] - G[j]) * rq[i] * rk[j] * scale * x[e] : 0.f);
+          }
+          *reinterpret_cast<uint4*>(Sm + i * lds + j0) = u;
         });
       }
     }
-    __syncthreads();
+    __syncthreads();  // S and the row-factor tiles complete
 
-    const int nvt = V / 16, nt = (C / 16) * nvt;
-    const M* hc = Hbuf + ch * (int64_t)V * K;
-    const M* vn = Vn + ch * (int64_t)C * V;
+    // Warp w owns row strip w % nrs (strips w, w + nwarps, ... with fewer warps than strips)
+    // and, with wg warps per strip, column tiles w / nrs, + wg, ...
+    constexpr int nrs = C / 16;
+    const int nvt = V / 16, nk = K / 16;
+    const int wg = nwarps >= nrs ? nwarps / nrs : 1;
     const int64_t so = (int64_t)HV * V;
     T* op = out + p.start * so + (int64_t)hv * V;
-    for (int t = warp; t < nt; t += nwarps) {
-      const int ti = t / nvt, tj = t % nvt;
-      if (ti * 16 >= len) continue;  // padded rows only (warp-uniform)
-      FragC acc;
-      wmma::fill_fragment(acc, 0.f);
-      for (int kk = 0; kk < K; kk += 16) {  // q h^T: B(kk, j) = h[j][kk]
-        FragA<M> a;
-        FragBt<M> b;
-        wmma::load_matrix_sync(a, qs + ti * 16 * ldk + kk, ldk);
-        wmma::load_matrix_sync(b, hc + tj * 16 * K + kk, K);
-        wmma::mma_sync(acc, a, b, acc);
+    for (int ti = warp % nrs; ti < nrs && warp < nrs * wg; ti += nwarps) {
+      if (ti * 16 >= len) break;  // padded rows only, as are the later strips (warp-uniform)
+      FragA<M> qa[kMaxDim / 16], sa[nrs];
+#pragma unroll
+      for (int kk = 0; kk < kMaxDim / 16; ++kk)
+        if (kk < nk) wmma::load_matrix_sync(qa[kk], qs + ti * 16 * ldk + kk * 16, ldk);
+#pragma unroll
+      for (int m = 0; m < nrs; ++m)
+        if (m <= ti) wmma::load_matrix_sync(sa[m], Sm + ti * 16 * lds + m * 16, lds);
+      FragC rt;
+      wmma::load_matrix_sync(rt, Rt + ti * 256, 16, wmma::mem_row_major);
+      for (int tj = warp / nrs; tj < nvt; tj += wg) {
+        // q h^T, B(kk, j) = h[j][kk]: even / odd K tiles in two accumulators (two
+        // independent mma chains), then rf per row, then + S v' (S is 0 above the diagonal).
+        FragC acc, odd;
+        wmma::fill_fragment(acc, 0.f);
+        wmma::fill_fragment(odd, 0.f);
+#pragma unroll
+        for (int kk = 0; kk < kMaxDim / 16; ++kk) {
+          if (kk < nk) {
+            FragBt<M> b;
+            wmma::load_matrix_sync(b, hs + tj * 16 * ldk + kk * 16, ldk);
+            if (kk & 1) wmma::mma_sync(odd, qa[kk], b, odd);
+            else wmma::mma_sync(acc, qa[kk], b, acc);
+          }
+        }
+        for (int e = 0; e < acc.num_elements; ++e) acc.x[e] = (acc.x[e] + odd.x[e]) * rt.x[e];
+#pragma unroll
+        for (int m = 0; m < nrs; ++m) {
+          if (m <= ti) {
+            FragB<M> b;
+            wmma::load_matrix_sync(b, vs + m * 16 * ldv + tj * 16, ldv);
+            wmma::mma_sync(acc, sa[m], b, acc);
+          }
+        }
+        frag_out8(acc, scr, [&](int a, int c0, const float (&x)[8]) {
+          const int i = ti * 16 + a;
+          if (i < len) store_vec(op + i * so + tj * 16 + c0, x);
+        });
       }
-      wmma::store_matrix_sync(scr, acc, 16, wmma::mem_row_major);
-      __syncwarp();
-      for (int e = threadIdx.x % warpSize; e < 256; e += warpSize) scr[e] *= rf[ti * 16 + e / 16];
-      __syncwarp();
-      wmma::load_matrix_sync(acc, scr, 16, wmma::mem_row_major);
-      for (int m = 0; m <= ti; ++m) {  // + S v' (S is 0 above the diagonal)
-        FragA<M> a;
-        FragB<M> b;
-        wmma::load_matrix_sync(a, Sm + ti * 16 * lds + m * 16, lds);
-        wmma::load_matrix_sync(b, vn + m * 16 * V + tj * 16, V);
-        wmma::mma_sync(acc, a, b, acc);
-      }
-      __syncwarp();  // every lane has loaded the scaled tile before it is overwritten
-      frag_out(acc, scr, [&](int a, int b, float x) {
-        const int i = ti * 16 + a;
-        if (i < len) op[i * so + tj * 16 + b] = static_cast<T>(x);
-      });
     }
   }
 }
@@ -1253,7 +1359,7 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     auto m16 = [](at::Tensor& t) { return reinterpret_cast<M*>(t.data_ptr<T>()); };
     const PrepLayout la(K, V);
     const StateLayout lb(K, kMmaVs);
-    const OutLayout lc(K);
+    const OutLayout lc(K, V);
     if (slots > 0 && ntok > 0) {
       VO_LAUNCH(gdn_chunk_prep_mma_kernel<T>, dim3(slots, HV), kBlock, la.total,
           k.data_ptr<T>(), v.data_ptr<T>(), g.data_ptr<float>(), beta.data_ptr<float>(), cup,
@@ -1265,6 +1371,10 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     if (lb.total > 48 * 1024)
       C10_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_state_mma_kernel<T>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, lb.total));
+    // q, k, h and v' all staged: 90 KB for K = V = 128 (two blocks per SM on an H200).
+    if (lc.total > 48 * 1024)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_output_mma_kernel<T>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, lc.total));
 #endif
     VO_LAUNCH(gdn_chunk_state_mma_kernel<T>, dim3(N, HV, V / kMmaVs), kBlock, lb.total,
         offp, HV, K, V, Gb.data_ptr<float>(), m16(Wb), m16(Kt), Ub.data_ptr<float>(), m16(Vn),

@@ -17,40 +17,136 @@ namespace {
 // RMSNorms
 // ------------------------------------------------------------------------------------------
 
-// Qwen (1 + w) RMSNorm over rows of H; with `residual`, s = x + residual is normalised and
-// written (rounded) to `res_out`. Statistics, weight and sum in float32 (rmsnorm.py).
-template <typename T>
-__global__ void gemma_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ residual,
-                                      const T* __restrict__ weight, T* __restrict__ out,
-                                      T* __restrict__ res_out, int H, float eps) {
-  VO_DYN_SMEM(float, row);  // H floats
-  __shared__ float red[kMaxWarps];
-  const int64_t r = blockIdx.x;
-  const T* xr = x + r * H;
-  float ss[1] = {0.f};
-  for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    float v = to_f(xr[i]);
-    if (residual != nullptr) {
-      v += to_f(residual[r * H + i]);
-      res_out[r * H + i] = static_cast<T>(v);
-    }
-    row[i] = v;
-    ss[0] += v * v;
+// Lanes per row of the norms that give a row to a group of lanes: a width that divides every
+// warp, so the row's sum is a group shuffle (no shared memory, no barrier).
+constexpr int kNormLanes = 16;
+
+// One chunk of a row as floats: a 16-byte vector of T (kVec) or one element.
+template <typename T, bool kVec>
+__device__ __forceinline__ void load_chunk(const T* p, float* f) {
+  if constexpr (kVec) {
+    Vec<T> v;
+    v.load(p);
+#pragma unroll
+    for (int u = 0; u < Vec<T>::N; ++u) f[u] = v.f[u];
+  } else {
+    f[0] = to_f(*p);
   }
-  block_sum<1>(ss, red);
-  const float inv = rsqrtf(ss[0] / H + eps);
-  for (int i = threadIdx.x; i < H; i += blockDim.x)
-    out[r * H + i] = static_cast<T>(row[i] * inv * (to_f(weight[i]) + 1.0f));
+}
+
+template <typename T, bool kVec>
+__device__ __forceinline__ void store_chunk(T* p, const float* f) {
+  if constexpr (kVec) store_vec(p, f);
+  else *p = static_cast<T>(f[0]);
+}
+
+// Qwen (1 + w) RMSNorm over rows of H; with `residual`, s = x + residual is normalised and
+// written (rounded) to `res_out`. Statistics, weight and sum in float32 (rmsnorm.py); the output
+// is computed from the unrounded float32 sum.
+//
+// A row is cut into chunks of W elements -- one 16-byte vector of T with kVec (rows of whole,
+// 16-byte aligned vectors), else one element -- and chunk c belongs to lane c % G of the row's
+// G lanes. Each lane keeps its first K chunks (and their weights) in registers between the sum
+// and the output, so the row is read once and needs no shared-memory copy: the host picks G and
+// K so that the row fits (H = 2048 bf16: 256 lanes, one vector each). Only a longer row's
+// remaining chunks are read again (the float sum recomputed: the same value).
+// G = kNormLanes: blockDim / G rows per block, the row's sum is a group shuffle (no barrier);
+// G = blockDim: one row per block, a block sum.
+// With K == 1 (H = 2048 in 16-bit types, prefill and decode) the kernel is held to full
+// occupancy, 2048 threads per SM (<= 32 registers at 256 threads, no spill on sm_90): left
+// alone, ptxas took 38 registers and 3/4 of the threads -- fewer loads in flight in a
+// memory-bound kernel.
+constexpr int kGemmaMaxK = 4;  // chunks per lane in registers at most; longer rows read twice
+
+#ifdef VO_CPU_EMULATION
+#define VO_NORM_BOUNDS(min_blocks)
+#else
+#define VO_NORM_BOUNDS(min_blocks) __launch_bounds__(kBlock, min_blocks)
+#endif
+
+template <typename T, int K, bool kVec>
+__global__ void VO_NORM_BOUNDS(K == 1 ? 2048 / kBlock : 1)
+    gemma_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ residual,
+                          const T* __restrict__ weight, T* __restrict__ out,
+                          T* __restrict__ res_out, int64_t rows, int H, int G, float eps) {
+  constexpr int W = kVec ? Vec<T>::N : 1;
+  __shared__ float red[kMaxWarps];
+  const int lane = threadIdx.x % G;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
+  const bool live = r < rows;  // a dead group still takes part in the (group-local) shuffle
+  const int64_t off = live ? r * H : 0;
+  const int nc = live ? (H + W - 1) / W : 0;  // chunks of this row
+  // The float32 sum x (+ residual) of chunk c.
+  auto sum_of = [&](int c, float* v) {
+    const int64_t i = off + static_cast<int64_t>(c) * W;
+    load_chunk<T, kVec>(x + i, v);
+    if (residual != nullptr) {
+      float rv[W];
+      load_chunk<T, kVec>(residual + i, rv);
+#pragma unroll
+      for (int u = 0; u < W; ++u) v[u] += rv[u];
+    }
+  };
+  float v[K][W], w[K][W];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int c = lane + k * G;
+    if (c < nc) {
+      sum_of(c, v[k]);
+      load_chunk<T, kVec>(weight + c * W, w[k]);  // loaded early: off the path after the sum
+      if (residual != nullptr) store_chunk<T, kVec>(res_out + off + c * W, v[k]);
+#pragma unroll
+      for (int u = 0; u < W; ++u) ss += v[k][u] * v[k][u];
+    }
+  }
+  if constexpr (K == kGemmaMaxK) {  // a row longer than the registers hold (the host's K)
+    for (int c = lane + K * G; c < nc; c += G) {
+      float t[W];
+      sum_of(c, t);
+      if (residual != nullptr) store_chunk<T, kVec>(res_out + off + c * W, t);
+#pragma unroll
+      for (int u = 0; u < W; ++u) ss += t[u] * t[u];
+    }
+  }
+  if (G == static_cast<int>(blockDim.x)) {  // block-uniform
+    float s[1] = {ss};
+    block_sum<1>(s, red);
+    ss = s[0];
+  } else {
+    ss = group_sum(ss, G);
+  }
+  const float inv = rsqrtf(ss / H + eps);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int c = lane + k * G;
+    if (c < nc) {
+      const int64_t i = off + static_cast<int64_t>(c) * W;
+      float o[W];
+#pragma unroll
+      for (int u = 0; u < W; ++u) o[u] = v[k][u] * inv * (w[k][u] + 1.0f);
+      store_chunk<T, kVec>(out + i, o);
+    }
+  }
+  if constexpr (K == kGemmaMaxK) {
+    for (int c = lane + K * G; c < nc; c += G) {
+      const int64_t i = off + static_cast<int64_t>(c) * W;
+      float t[W], wt[W], o[W];
+      sum_of(c, t);
+      load_chunk<T, kVec>(weight + c * W, wt);
+#pragma unroll
+      for (int u = 0; u < W; ++u) o[u] = t[u] * inv * (wt[u] + 1.0f);
+      store_chunk<T, kVec>(out + i, o);
+    }
+  }
 }
 
 // GDN output norm per value head: out = rms(x) * w * act(z); x, z are [T, HV, V] with any
 // strides on the first two dims (z is a slice of the projection output), out contiguous.
-// One row (token, head) per group of kNormLanes lanes (a width that divides every warp, so the
-// row's sum is a group shuffle: no shared memory, no barrier), blockDim / kNormLanes rows per
-// block; with `vec` (rows of whole, aligned 16-byte vectors) each lane loads Vec<T> chunks.
+// One row (token, head) per group of kNormLanes lanes, blockDim / kNormLanes rows per block;
+// with `vec` (rows of whole, aligned 16-byte vectors) each lane loads Vec<T> chunks.
 // A prefill of 16K tokens has 131K such rows: one block per row left most threads idle behind
 // two barriers (~7x its memory time on the H200).
-constexpr int kNormLanes = 16;
 
 template <typename T>
 __global__ void rms_norm_gated_kernel(const T* __restrict__ x, const T* __restrict__ z,
@@ -451,20 +547,56 @@ __global__ void qk_norm_rope_gate_kernel(
 // Host wrappers
 // ------------------------------------------------------------------------------------------
 
+// Launches gemma_rms_norm_kernel over the rows of xc (contiguous, like out, rc and res;
+// rc / res null without the residual add). Geometry (kernel comment): a lane group per row
+// while the row fits in kNormLanes lanes of up to 4 chunks each, else a whole block per row;
+// K the fewest chunks per lane (1, 2 or 4) that hold the row, longer rows read twice.
+void gemma_rms_norm_launch(const at::Tensor& xc, const at::Tensor* rc, const at::Tensor& w,
+                           at::Tensor& out, at::Tensor* res, double eps) {
+  const int H = xc.size(-1);
+  TORCH_CHECK(w.numel() == H, "gemma_rms_norm: weight [hidden] expected");
+  const int64_t rows = H > 0 ? xc.numel() / H : 0;
+  if (rows == 0) return;
+  // Whole 16-byte vectors: rows of whole vectors and every pointer 16-byte aligned (then so is
+  // every row start).
+  const int64_t esz = xc.element_size();
+  auto aligned = [](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  const bool vec = (H * esz) % 16 == 0 && aligned(xc) && aligned(w) && aligned(out) &&
+                   (rc == nullptr || (aligned(*rc) && aligned(*res)));
+  const int64_t chunks = vec ? H * esz / 16 : H;
+  const int G = chunks <= kNormLanes * kGemmaMaxK ? kNormLanes : kBlock;
+  const int64_t need = (chunks + G - 1) / G;
+  const int K = need <= 1 ? 1 : (need <= 2 ? 2 : kGemmaMaxK);
+  const int per_block = kBlock / G;
+  const int64_t grid = (rows + per_block - 1) / per_block;
+  VO_DISPATCH_FLOATS(xc.scalar_type(), "gemma_rms_norm", [&] {
+    auto go = [&](auto kern) {
+      VO_LAUNCH(kern, grid, kBlock, 0, xc.data_ptr<scalar_t>(),
+          rc != nullptr ? rc->data_ptr<scalar_t>() : nullptr, w.data_ptr<scalar_t>(),
+          out.data_ptr<scalar_t>(), res != nullptr ? res->data_ptr<scalar_t>() : nullptr, rows,
+          H, G, static_cast<float>(eps));
+    };
+    if (vec) {
+      if (K == 1) go(gemma_rms_norm_kernel<scalar_t, 1, true>);
+      else if (K == 2) go(gemma_rms_norm_kernel<scalar_t, 2, true>);
+      else go(gemma_rms_norm_kernel<scalar_t, kGemmaMaxK, true>);
+    } else {
+      if (K == 1) go(gemma_rms_norm_kernel<scalar_t, 1, false>);
+      else if (K == 2) go(gemma_rms_norm_kernel<scalar_t, 2, false>);
+      else go(gemma_rms_norm_kernel<scalar_t, kGemmaMaxK, false>);
+    }
+  });
+}
+
 at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(VO_ON_DEVICE(x) && VO_ON_DEVICE(weight), "gemma_rms_norm: CUDA tensors expected");
   VO_DEVICE_GUARD(x);
-  const int H = x.size(-1);
   auto xc = x.contiguous();
   auto w = weight.to(x.scalar_type()).contiguous();
   auto out = at::empty_like(xc);
-  const int64_t rows = xc.numel() / H;
-  if (rows == 0) return out;
-  VO_DISPATCH_FLOATS(x.scalar_type(), "gemma_rms_norm", [&] {
-    VO_LAUNCH(gemma_rms_norm_kernel<scalar_t>, rows, kBlock, H * sizeof(float),
-        xc.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-        nullptr, H, static_cast<float>(eps));
-  });
+  gemma_rms_norm_launch(xc, nullptr, w, out, nullptr, eps);
   return out;
 }
 
@@ -475,19 +607,12 @@ std::tuple<at::Tensor, at::Tensor> gemma_fused_add_rms_norm(const at::Tensor& x,
   TORCH_CHECK(VO_ON_DEVICE(x) && VO_ON_DEVICE(residual), "gemma_fused_add_rms_norm: CUDA tensors");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual shapes differ");
   VO_DEVICE_GUARD(x);
-  const int H = x.size(-1);
   auto xc = x.contiguous();
   auto rc = residual.to(x.scalar_type()).contiguous();
   auto w = weight.to(x.scalar_type()).contiguous();
   auto out = at::empty_like(xc);
   auto res = at::empty_like(xc);
-  const int64_t rows = xc.numel() / H;
-  if (rows == 0) return {out, res};
-  VO_DISPATCH_FLOATS(x.scalar_type(), "gemma_fused_add_rms_norm", [&] {
-    VO_LAUNCH(gemma_rms_norm_kernel<scalar_t>, rows, kBlock, H * sizeof(float),
-        xc.data_ptr<scalar_t>(), rc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
-        out.data_ptr<scalar_t>(), res.data_ptr<scalar_t>(), H, static_cast<float>(eps));
-  });
+  gemma_rms_norm_launch(xc, &rc, w, out, &res, eps);
   return {out, res};
 }
 
