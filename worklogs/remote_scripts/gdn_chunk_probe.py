@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""GDN chunk prefill kernels alone, one TP4 shard of Qwen3.6-35B-A3B (H 4, HV 8, K = V = 128,
+bf16, one sequence): per-kernel GPU time by torch.profiler, for A/B runs of a kernel change and
+as the target of an Nsight Compute run (``ncu --kernel-name regex:state_mma ... python3 this``).
+
+    NATIVE_KERNELS=cuda NATIVE_KERNELS_JIT=1 GDN_CHUNK_KERNEL=fused \\
+        python3 worklogs/remote_scripts/gdn_chunk_probe.py --T 16384 --reps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from vllm_overrides.native import gdn, kernels  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--T", type=int, default=16384)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    T, H, HV, K, V = a.T, 4, 8, 128, 128
+    A_log = torch.log(torch.empty(HV, device=dev).uniform_(1.0, 16.0))
+    g, beta = gdn.gdn_gating(
+        A_log, torch.randn(T, HV, device=dev) - 2.0, torch.randn(HV, device=dev) * 0.5,
+        torch.randn(T, HV, device=dev),
+    )  # fmt: skip
+    q = torch.randn(1, T, H, K, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, T, H, K, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(1, T, HV, V, device=dev, dtype=torch.bfloat16)
+    h0 = torch.randn(1, HV, V, K, device=dev) * 0.05
+    cu = torch.tensor([0, T], device=dev, dtype=torch.long)
+
+    def run() -> None:
+        kernels.chunk_gated_delta_rule(
+            q, k, v, g[None], beta[None], initial_state=h0, output_final_state=True,
+            cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.reps):
+            run()
+        torch.cuda.synchronize()
+    us: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us[e.name].append(e.device_time)
+    rows = {n[:60]: sum(t) / a.reps for n, t in us.items()}
+    total = sum(rows.values())
+    for n, t in sorted(rows.items(), key=lambda r: -r[1]):
+        print(f"{t:9.1f} us  {n}")
+    print(f"{total:9.1f} us  total per call (T={T})")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"T": T, "us_per_call": rows, "total_us": total}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
