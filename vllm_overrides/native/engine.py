@@ -12,6 +12,8 @@ else lives here. The switches are read once, at import, from the environment:
                           of upstream's bf16-only ``cpu_gdn_attention_core``, and the
                           process flushes denormal floats to zero (see
                           ``cpu_kernel_fixes.flush_denormals_on_all_threads``).
+                          Qwen3.5 layers run both input projections as one GEMM
+                          (:mod:`.gdn_in_proj`: one weight tensor, no copy).
 ``MOE_NATIVE=1``          MoE prefill (more than ``MOE_DECODE_MAX_TOKENS`` tokens) through the
                           sort-by-expert path, and MoE decode through the native gather + bmm
                           path (or sort-by-expert with ``MOE_DECODE_NATIVE=1``).
@@ -59,7 +61,7 @@ from typing import Any
 
 import torch
 
-from . import gdn_checkpoint, kernels, moe, vision_rope
+from . import gdn_checkpoint, gdn_in_proj, kernels, moe, vision_rope
 
 logger = logging.getLogger("vllm.vllm_overrides.native")
 
@@ -197,14 +199,20 @@ def qk_norm_rope_gate(
 
 
 def gdn_forward_method(layer: Any) -> Any:
-    """The layer's forward method: on CPU with ``GDN_NATIVE``, the generic ``forward_cuda``
-    (whose core op lands in :func:`gdn_forward_core`) instead of upstream's CPU op."""
+    """The layer's forward method (called once both input projections exist). With
+    ``GDN_NATIVE``, where upstream picked the generic ``forward_cuda`` (and on CPU instead of
+    upstream's CPU op): :func:`.gdn_in_proj.forward_method`, the same forward with one input
+    GEMM instead of two (falls back to ``forward_cuda`` where the merge does not apply). The
+    core op lands in :func:`gdn_forward_core` either way."""
     from vllm.platforms import current_platform
 
-    if GDN_NATIVE and current_platform.is_cpu():
+    if not GDN_NATIVE:
+        return layer._forward_method
+    if current_platform.is_cpu():
         _info_once("gdn-cpu", "GDN_NATIVE: CPU GDN layers use the native pure-PyTorch path")
-        return layer.forward_cuda
-    return layer._forward_method
+    elif layer._forward_method != layer.forward_cuda:
+        return layer._forward_method  # ROCm / XPU forwards: not ours to replace
+    return gdn_in_proj.forward_method(layer)
 
 
 def gdn_output_norm(norm: Any, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
