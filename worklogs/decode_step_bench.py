@@ -135,6 +135,16 @@ SMOKE = Shapes(
 )  # fmt: skip
 
 
+def gdn_in_proj(h: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """``q|k|v``, ``z``, ``b``, ``a`` of a GDN layer: one GEMM (the engine's) or, with
+    ``--gdn-in-proj split``, upstream's two (``in_proj_qkvz``, ``in_proj_ba``)."""
+    if GDN_IN_PROJ == "merged":
+        return list(F.linear(h, w).split(sizes, dim=-1))
+    n = sizes[0] + sizes[1]
+    qkvz = F.linear(h, w[:n]).split(sizes[:2], dim=-1)
+    return [*qkvz, *F.linear(h, w[n:]).split(sizes[2:], dim=-1)]
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -142,6 +152,9 @@ def nbytes(t: torch.Tensor) -> int:
 # MoE decode: "routed" (the engine's: routing inside the up kernel, 2 launches) or "separate"
 # (routing kernel + experts, 3 launches), for an A/B of the fused routing (--moe-decode).
 MOE_DECODE = "routed"
+# GDN input projections: one GEMM over [qkvz; ba] (the engine's, native/gdn_in_proj.py) or
+# upstream's two.
+GDN_IN_PROJ = "merged"
 
 
 class DecodeStep:
@@ -174,7 +187,7 @@ class DecodeStep:
                 )  # fmt: skip
             else:
                 lw.update(
-                    qkvz=w(s.conv_dim + HVV, H), ba=w(2 * s.v_heads, H), conv=w(s.conv_dim, s.conv),
+                    in_proj=w(s.conv_dim + HVV + 2 * s.v_heads, H), conv=w(s.conv_dim, s.conv),
                     A_log=torch.empty(s.v_heads, device=dev).uniform_(1.0, 16.0).log_(),
                     dt_bias=torch.randn(s.v_heads, device=dev) * 0.5,
                     gnorm=1.0 + w(s.head_v, scale=0.1), out_proj=w(H, HVV),
@@ -248,8 +261,7 @@ class DecodeStep:
     def gated_deltanet(self, i: int, h: torch.Tensor) -> torch.Tensor:
         s, lw, B = self.s, self.layers[i], h.shape[0]
         HV, V = s.v_heads, s.head_v
-        mixed_qkv, z = F.linear(h, lw["qkvz"]).split([s.conv_dim, HV * V], dim=-1)
-        b, a = F.linear(h, lw["ba"]).split([HV, HV], dim=-1)
+        mixed_qkv, z, b, a = gdn_in_proj(h, lw["in_proj"], [s.conv_dim, HV * V, HV, HV])
         scale = s.head_k**-0.5
         if self.fla is None:
             core = torch.empty(B, HV, V, device=h.device, dtype=h.dtype)
@@ -769,8 +781,7 @@ class PrefillStep(DecodeStep):
         """Projections, conv (state updated) and post-conv prep: ``(q, k, v, g, beta, z)``."""
         s, lw = self.s, self.layers[i]
         HV, V = s.v_heads, s.head_v
-        mixed_qkv, z = F.linear(h, lw["qkvz"]).split([s.conv_dim, HV * V], dim=-1)
-        b, a = F.linear(h, lw["ba"]).split([HV, HV], dim=-1)
+        mixed_qkv, z, b, a = gdn_in_proj(h, lw["in_proj"], [s.conv_dim, HV * V, HV, HV])
         # The engine's call: fused conv + prep where the extension serves (cuda, fla), else
         # gdn.causal_conv1d_prefill + gdn.post_conv_prep (torch).
         q, k, v, g, beta = kn.gdn_conv_prep(
@@ -1341,6 +1352,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["routed", "separate"],
         help="MoE decode: routing inside the up kernel (engine) or its own launch",
     )
+    ap.add_argument(
+        "--gdn-in-proj",
+        default="merged",
+        choices=["merged", "split"],
+        help="GDN input projections: one GEMM (the engine's) or upstream's two",
+    )
     ap.add_argument("--prefill-modes", default="fresh,resume", help="subset of fresh,resume")
     ap.add_argument(
         "--prefill-cached",
@@ -1362,8 +1379,9 @@ def main(argv: list[str] | None = None) -> int:
         help="fraction of that peak a large GEMM reaches (assumed)",
     )
     args = ap.parse_args(argv)
-    global MOE_DECODE
+    global MOE_DECODE, GDN_IN_PROJ
     MOE_DECODE = args.moe_decode
+    GDN_IN_PROJ = args.gdn_in_proj
     t0 = time.time()
     s = SMOKE if args.smoke else Shapes()
     dev = torch.device("cpu" if args.smoke else "cuda")
