@@ -1381,8 +1381,6 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       if (fixed) prep(gdn_chunk_prep_mma_kernel<T, kDimsFixed, kDimsFixed>);
       else prep(gdn_chunk_prep_mma_kernel<T, 0, 0>);
     }
-#ifndef VO_CPU_EMULATION
-#endif
     auto state_pass = [&](auto kernel) {
 #ifndef VO_CPU_EMULATION
       // W and K~ both resident: above the 48 KB default for K = 128 (52 KB), so opt in.
