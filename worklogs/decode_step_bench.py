@@ -155,6 +155,9 @@ MOE_DECODE = "routed"
 # GDN input projections: one GEMM over [qkvz; ba] (the engine's, native/gdn_in_proj.py) or
 # upstream's two.
 GDN_IN_PROJ = "merged"
+# GDN output norm at decode: inside the decode kernel (the engine's, decode-only batches,
+# engine.gdn_decode_normed) or its own launch (kernels.rms_norm_gated).
+GDN_NORM = "fused"
 
 
 class DecodeStep:
@@ -265,10 +268,16 @@ class DecodeStep:
         scale = s.head_k**-0.5
         if self.fla is None:
             core = torch.empty(B, HV, V, device=h.device, dtype=h.dtype)
+            zv = z.reshape(B, HV, V)
+            fused = GDN_NORM == "fused"
             kn.gdn_decode(
                 mixed_qkv, a, b, self.conv[i], lw["conv"], None, lw["A_log"], lw["dt_bias"],
                 self.ssm[i], core, self.slots, s.k_heads, scale,
+                z=zv if fused else None, norm_weight=lw["gnorm"] if fused else None,
+                norm_eps=s.eps,
             )  # fmt: skip
+            if fused:
+                return F.linear(core.reshape(B, HV * V), lw["out_proj"])
         else:
             conv = self.conv[i]
             x = gdn.causal_conv1d_decode(mixed_qkv, conv, lw["conv"], None, "silu", self.slots)
@@ -1358,6 +1367,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["merged", "split"],
         help="GDN input projections: one GEMM (the engine's) or upstream's two",
     )
+    ap.add_argument(
+        "--gdn-norm",
+        default="fused",
+        choices=["fused", "separate"],
+        help="GDN output norm at decode: inside the decode kernel (the engine's) or its own launch",
+    )
     ap.add_argument("--prefill-modes", default="fresh,resume", help="subset of fresh,resume")
     ap.add_argument(
         "--prefill-cached",
@@ -1379,9 +1394,10 @@ def main(argv: list[str] | None = None) -> int:
         help="fraction of that peak a large GEMM reaches (assumed)",
     )
     args = ap.parse_args(argv)
-    global MOE_DECODE, GDN_IN_PROJ
+    global MOE_DECODE, GDN_IN_PROJ, GDN_NORM
     MOE_DECODE = args.moe_decode
     GDN_IN_PROJ = args.gdn_in_proj
+    GDN_NORM = args.gdn_norm
     t0 = time.time()
     s = SMOKE if args.smoke else Shapes()
     dev = torch.device("cpu" if args.smoke else "cuda")

@@ -276,6 +276,61 @@ def test_gdn_decode_vs_reference_and_torch(kdev: str, dtype: torch.dtype, B: int
         assert torch.equal(conv_sd[dead_slots], inp["conv_sd"][dead_slots])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+@pytest.mark.parametrize("kdev,B", cases([1, 5, 64], [5]), indirect=["kdev"])
+def test_gdn_decode_fused_output_norm(
+    kdev: str, dtype: torch.dtype, activation: str, B: int
+) -> None:
+    """``gdn_decode(..., z=, norm_weight=)`` equals the decode step followed by the layer's
+    gated RMSNorm: on the fused kernel (one launch) and on the PyTorch path, against the
+    float64 norm of the unfused output; dead rows stay zero and states advance identically."""
+    n_slots = B + 4
+    perm = (torch.randperm(n_slots - 1) + 1)[:B].tolist()
+    if B >= 3:
+        perm[1] = 0  # vLLM's null block: the row must come out zero, normed or not
+    inp = _gdn_inputs(B, dtype, perm, n_slots, kdev)
+    HV, V = inp["HV"], inp["V"]
+    qkv = torch.randn(B, inp["D"], device=kdev).to(dtype)
+    a = torch.randn(B, HV, device=kdev).to(dtype)
+    b = torch.randn(B, HV, device=kdev).to(dtype)
+    # z as the merged projection hands it over: a strided slice of a wider row.
+    proj = torch.randn(B, 2 * HV * V + 8, device=kdev).to(dtype)
+    z = proj[:, 8 : 8 + HV * V].view(B, HV, V)
+    w = (1 + 0.1 * torch.randn(V, device=kdev)).to(dtype)
+    ssm0 = inp["ssm"]
+
+    def step(norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        conv_sd, ssm = inp["conv_sd"].clone(), _padded(ssm0)
+        out = torch.full((B, HV, V), float("nan"), device=kdev, dtype=dtype)
+        kernels.gdn_decode(
+            qkv, a, b, conv_sd.transpose(-1, -2), inp["conv_w"], inp["conv_b"], inp["A_log"],
+            inp["dt_bias"], ssm, out, inp["slots"], inp["H"], inp["K"] ** -0.5,
+            z=z if norm else None, norm_weight=w if norm else None, norm_eps=1e-6,
+            norm_activation=activation,
+        )  # fmt: skip
+        return out, conv_sd, ssm
+
+    outs = {}
+    for name in ("cuda", "torch"):
+        kernels.set_backend(name)
+        raw, conv_r, ssm_r = step(False)
+        normed, conv_n, ssm_n = step(True)
+        assert torch.equal(ssm_r, ssm_n) and torch.equal(conv_r, conv_n)
+        outs[name] = (raw, normed)
+    kernels.set_backend("cuda")
+    raw64, z64 = outs["cuda"][0].cpu().double(), z.cpu().double()
+    ref = raw64 * torch.rsqrt((raw64**2).mean(-1, keepdim=True) + 1e-6) * w.cpu().double()
+    ref = ref * (torch.sigmoid(z64) if activation == "sigmoid" else torch.nn.functional.silu(z64))
+    live = [i for i, s in enumerate(perm) if s > 0]
+    _check(outs["cuda"][1][live].cpu(), outs["torch"][1][live].cpu(), ref[live], dtype)
+    for _raw, normed in outs.values():
+        assert not torch.isnan(normed).any()
+        dead = [i for i in range(B) if i not in live]
+        if dead:
+            assert torch.count_nonzero(normed[dead]) == 0
+
+
 # ------------------------------------------------------------------------------------------
 # MoE
 # ------------------------------------------------------------------------------------------

@@ -54,8 +54,9 @@ def test_fused_kernels_served_the_engine(url: str, oracle: dict[str, Any]) -> No
     text = LOG.read_text(errors="replace")
     assert "NATIVE_KERNELS=emulate: fused kernels on host threads" in text
     used = " ".join(ln for ln in text.splitlines() if "native paths in use" in ln)
-    for key in ("gdn_core", "rms_norm_gated", "gemma_rms_norm", "moe_decode_native",
-                "qk_norm_rope_gate"):  # fmt: skip
+    # gdn_decode_norm_fused: decode-only steps take the GDN output norm inside gdn_decode.
+    for key in ("gdn_core", "gdn_decode_norm_fused", "rms_norm_gated", "gemma_rms_norm",
+                "moe_decode_native", "qk_norm_rope_gate"):  # fmt: skip
         assert key in used, f"{key} not reported as used: {used}"
     # ... and each of them ran on the fused kernels, not their PyTorch fallbacks.
     for op in ("gdn_decode", "rms_norm_gated", "gemma_rms_norm", "moe_route", "moe_decode",

@@ -256,6 +256,82 @@ def _flush_cpu_denormals() -> None:
     _info_once("gdn-ftz", "GDN_NATIVE on CPU: denormals flushed on all threads: %s", ok)
 
 
+def _decode(
+    layer: Any,
+    md: Any,
+    mixed_qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    out: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    z: torch.Tensor | None = None,
+) -> None:
+    """The batch's decode rows (first ``num_decode_tokens``) into ``out``; with ``z``, the
+    layer's gated output norm applied too."""
+    nd, ndt = md.num_decodes, md.num_decode_tokens
+    norm = layer.norm if z is not None else None
+    with _range("vo.gdn.decode"):
+        # One fused launch where the extension serves this device (conv, gates, norms,
+        # delta rule, output, with z the gated output norm); else the PyTorch ops.
+        A_log, dt_bias = _gate_params_f32(layer)
+        kernels.gdn_decode(
+            mixed_qkv[:ndt], a[:ndt], b[:ndt], conv_state, _conv_weight(layer), layer.conv1d.bias,
+            A_log, dt_bias, ssm_state, out[:ndt], md.non_spec_state_indices_tensor[:nd],
+            layer.num_k_heads // layer.tp_size, layer.head_k_dim**-0.5, layer.activation,
+            z=None if z is None else z[:ndt],
+            norm_weight=None if norm is None else norm.weight,
+            norm_eps=1e-6 if norm is None else norm.eps,
+            norm_activation="silu" if norm is None else norm.activation,
+        )  # fmt: skip
+
+
+def gdn_decode_normed(
+    layer: Any, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor
+) -> torch.Tensor | None:
+    """A decode-only batch's core output with the gated output norm already applied (one
+    launch on the fused kernels instead of two, and no zero fill when every row is a decode
+    row), or ``None`` to leave the batch to the core op and ``_output_projection``. Eager
+    only: this bypasses the ``qwen_gdn_attention_core`` custom op, which is a boundary for
+    ``torch.compile`` and nothing more (its impl calls the layer's ``_forward_core``)."""
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    meta = get_forward_context().attn_metadata
+    md = meta.get(layer.prefix) if isinstance(meta, dict) else None
+    if (
+        md is None
+        or md.num_prefills > 0
+        or md.num_decodes == 0
+        or md.spec_sequence_masks is not None
+        or md.num_accepted_tokens is not None
+    ):
+        return None
+    _mark("gdn_core")
+    _mark("gdn_decode_norm_fused")
+    report_usage()
+    if not _denormals_flushed and mixed_qkv.device.type == "cpu":
+        _flush_cpu_denormals()
+    kv = layer.kv_cache
+    conv_state = kv[0] if is_conv_state_dim_first() else kv[0].transpose(-1, -2)
+    n_all, ndt = mixed_qkv.size(0), md.num_decode_tokens
+    shape = (n_all, layer.num_v_heads // layer.tp_size, layer.head_v_dim)
+    # Rows past the batch (padding) stay zero, as upstream's zeroed buffer leaves them.
+    alloc = torch.empty if ndt == n_all else torch.zeros
+    out = alloc(shape, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    _decode(layer, md, mixed_qkv, b, a, out, conv_state, kv[1], z)
+    return out
+
+
+def gdn_norm_fusable(norm: Any) -> bool:
+    """Whether the layer's ``RMSNormGated`` is the per-head norm the decode kernel fuses."""
+    return (
+        norm.group_size is None
+        and norm.norm_before_gate
+        and norm.activation in ("silu", "swish", "sigmoid")
+    )
+
+
 def gdn_forward_core(
     layer: Any,
     mixed_qkv: torch.Tensor,
@@ -294,14 +370,7 @@ def gdn_forward_core(
     K, V = layer.head_k_dim, layer.head_v_dim
 
     if nd > 0:
-        with _range("vo.gdn.decode"):
-            # One fused launch where the extension serves this device (conv, gates, norms,
-            # delta rule, output); else the PyTorch ops.
-            A_log, dt_bias = _gate_params_f32(layer)
-            kernels.gdn_decode(
-                mixed_qkv[:ndt], a[:ndt], b[:ndt], conv_state, weight, bias, A_log, dt_bias,
-                ssm_state, core_attn_out[:ndt], idx[:nd], H, K**-0.5, layer.activation,
-            )  # fmt: skip
+        _decode(layer, md, mixed_qkv, b, a, core_attn_out, conv_state, ssm_state)
     if npf > 0:
         with _range("vo.gdn.prefill"):
             qsl = md.non_spec_query_start_loc[nd : nd + npf + 1] - ndt

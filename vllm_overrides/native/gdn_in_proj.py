@@ -147,6 +147,11 @@ def _first_forward(layer: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     # may assume contiguous b/a: keep upstream's copies when spec decode is configured.
     contiguous = getattr(layer, "speculative_config", None) is not None
     engine._mark("gdn_in_proj_merged")
+    # Decode-only batches may take the output norm inside the decode kernel; with the
+    # engine's GDN core only (the norm must be the one _output_projection would apply).
+    norm = getattr(layer, "norm", None)
+    fusable = norm is not None and engine.gdn_norm_fusable(norm)
+    normed = engine.gdn_decode_normed if fusable else None
     layer._forward_method = functools.partial(
         merged_forward,
         layer,
@@ -155,6 +160,7 @@ def _first_forward(layer: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         _encode_layer_name(layer.prefix),
         torch.ops.vllm.qwen_gdn_attention_core,
         contiguous,
+        normed,
     )
     return layer._forward_method(hidden_states)
 
@@ -166,16 +172,23 @@ def merged_forward(
     layer_name: Any,
     core: Any,
     contiguous: bool,
+    normed: Any,
     hidden_states: torch.Tensor,
 ) -> torch.Tensor:
     """Upstream's Qwen3.5 ``forward_cuda`` with one input GEMM: same splits, same zeroed
-    output buffer, same core op, same output projection."""
+    output buffer, same core op, same output projection. Eager decode-only batches may instead
+    get the core output with the norm applied from ``normed``
+    (:func:`.engine.gdn_decode_normed`: one launch for core and norm)."""
     n = hidden_states.size(0)
     mixed_qkv, z, ba, _ = F.linear(hidden_states, weight).split(sizes, dim=-1)
     z = z.reshape(n, -1, layer.head_v_dim)
     b, a = layer.split_ba(ba)
     if contiguous:
         b, a = b.contiguous(), a.contiguous()
+    if normed is not None and not torch.compiler.is_compiling():
+        out = normed(layer, mixed_qkv, b, a, z)
+        if out is not None:
+            return layer.out_proj(out.flatten(-2))[0]
     # Zeros, not empty: see upstream's note (vllm PR 28182).
     core_attn_out = torch.zeros(
         (n, layer.num_v_heads // layer.tp_size, layer.head_v_dim),

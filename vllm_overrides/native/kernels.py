@@ -247,6 +247,10 @@ def gdn_decode(
     num_k_heads: int,
     scale: float,
     activation: str | bool | None = "silu",
+    z: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    norm_activation: str = "silu",
 ) -> None:
     """One Gated-DeltaNet decode step for ``B`` sequences (one token each), in place.
 
@@ -261,8 +265,12 @@ def gdn_decode(
         slots: ``[B]`` cache slot per row; ``<= 0`` (null block / padding) rows get zeros and
             leave every state untouched.
         num_k_heads: ``H`` (per rank); ``scale``: ``K ** -0.5``.
+        z, norm_weight: with both, ``out`` gets the layer's gated output norm applied,
+            ``rms_norm_gated(o, z, norm_weight, norm_eps, norm_activation)`` with ``z``
+            ``[B, HV, V]`` -- in the same launch on the fused kernels.
     """
     silu = gdn.is_silu(activation)
+    norm = z is not None and norm_weight is not None
     ok = (
         use_cuda(mixed_qkv)
         and (silu or activation in (None, False))
@@ -277,20 +285,40 @@ def gdn_decode(
         and out.dtype == mixed_qkv.dtype
         and out.stride(-1) == 1
         and out.stride(-2) == out.shape[-1]
+        and (
+            not norm
+            or (
+                norm_activation in ("silu", "swish", "sigmoid")
+                and z.dtype == norm_weight.dtype == out.dtype
+                and z.shape[1:] == out.shape[1:]
+                and z.shape[0] >= mixed_qkv.shape[0]
+                and z.stride(-1) == 1
+            )
+        )
     )
     if ok:
         _used("gdn_decode")
-        torch.ops.vo_kernels.gdn_decode(
-            mixed_qkv, a, b, conv_state, conv_weight.contiguous(), conv_bias,
-            A_log.float(), dt_bias.float(), ssm_state, out, slots.to(torch.int32),
-            num_k_heads, scale, silu,
-        )  # fmt: skip
+        if norm:
+            torch.ops.vo_kernels.gdn_decode(
+                mixed_qkv, a, b, conv_state, conv_weight.contiguous(), conv_bias,
+                A_log.float(), dt_bias.float(), ssm_state, out, slots.to(torch.int32),
+                num_k_heads, scale, silu, z, norm_weight.contiguous(), norm_eps,
+                norm_activation == "sigmoid",
+            )  # fmt: skip
+        else:
+            torch.ops.vo_kernels.gdn_decode(
+                mixed_qkv, a, b, conv_state, conv_weight.contiguous(), conv_bias,
+                A_log.float(), dt_bias.float(), ssm_state, out, slots.to(torch.int32),
+                num_k_heads, scale, silu,
+            )  # fmt: skip
         return
     x = gdn.causal_conv1d_decode(mixed_qkv, conv_state, conv_weight, conv_bias, activation, slots)
     gdn.fused_recurrent_gated_delta_rule_packed_decode(
         x, a, b, A_log, dt_bias, scale, ssm_state, out.unsqueeze(1), slots,
         use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
+    if norm:
+        out.copy_(rms_norm_gated(out, z[: out.shape[0]], norm_weight, norm_eps, norm_activation))
 
 
 def gdn_conv_prep(

@@ -200,7 +200,10 @@ __global__ void rms_norm_gated_kernel(const T* __restrict__ x, const T* __restri
 // ------------------------------------------------------------------------------------------
 // Gated DeltaNet decode: one block per (sequence, key head), covering the key head's q and k
 // channels and the R = HV / H value heads that read them, so every conv channel and every
-// state row belongs to exactly one block (no races, one launch per layer).
+// state row belongs to exactly one block (no races, one launch per layer). With `z`, the
+// block also applies the layer's gated output norm to its R whole value heads
+// (rms(o) * w * act(z), as rms_norm_gated_kernel does after the rounding to T that the
+// unfused output takes): one launch fewer per GDN layer and decode step.
 // ------------------------------------------------------------------------------------------
 
 constexpr int kGdnGroup = 16;  // lanes per state row (K / 16 floats each)
@@ -214,8 +217,10 @@ __global__ void gdn_decode_kernel(
     const float* __restrict__ A_log, const float* __restrict__ dt_bias,         // [HV]
     float* __restrict__ ssm, int64_t ssm_slot,                                   // [S, HV, V, K]
     T* __restrict__ out, int64_t s_out,                                          // [B, HV, V]
-    const int32_t* __restrict__ slots, int H, int HV, int K, int V, float scale, bool silu) {
-  VO_DYN_SMEM(float, sm);  // q[K] k[K] v[R*V] gates[2R]
+    const int32_t* __restrict__ slots, int H, int HV, int K, int V, float scale, bool silu,
+    const T* __restrict__ z, int64_t s_z0, int64_t s_z1,                         // [B, HV, V]
+    const T* __restrict__ norm_w, float norm_eps, bool norm_sigmoid) {
+  VO_DYN_SMEM(float, sm);  // q[K] k[K] v[R*V] gates[2R] (with z: o[R*V])
   __shared__ float red[2 * kMaxWarps];
   const int h = blockIdx.x, bi = blockIdx.y, tid = threadIdx.x;
   const int R = HV / H;
@@ -223,6 +228,7 @@ __global__ void gdn_decode_kernel(
   float* k = q + K;
   float* v = k + K;
   float* gate = v + R * V;  // [0, R): exp(g); [R, 2R): beta
+  float* ov = gate + 2 * R;  // raw outputs, rounded to T, when the norm is fused
   const int slot = slots[bi];
   T* o = out + bi * s_out + (int64_t)h * R * V;
   if (slot <= 0) {  // null block (0) or padding (-1): zeros, every state untouched
@@ -326,7 +332,28 @@ __global__ void gdn_decode_kernel(
         }
       }
       hq = group_sum(hq, kGdnGroup);
-      if (lane == 0) o[row] = static_cast<T>(hq);
+      if (lane == 0) {
+        if (z != nullptr)
+          ov[row] = to_f(static_cast<T>(hq));
+        else
+          o[row] = static_cast<T>(hq);
+      }
+    }
+  }
+  if (z == nullptr) return;
+  __syncthreads();
+  // Gated RMSNorm of each of the block's value heads, one warp per head (any warp width).
+  const int wl = tid % warpSize, nw = blockDim.x / warpSize;
+  for (int r = tid / warpSize; r < R; r += nw) {
+    const float* orow = ov + r * V;
+    float ss = 0.f;
+    for (int i = wl; i < V; i += warpSize) ss += orow[i] * orow[i];
+    const float inv = rsqrtf(warp_sum(ss) / V + norm_eps);
+    const T* zr = z + bi * s_z0 + (int64_t)(h * R + r) * s_z1;
+    for (int i = wl; i < V; i += warpSize) {
+      const float g = to_f(zr[i]);
+      o[r * V + i] = static_cast<T>(orow[i] * inv * to_f(norm_w[i]) *
+                                    (norm_sigmoid ? sigmoid_f(g) : silu_f(g)));
     }
   }
 }
@@ -658,7 +685,9 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
                 at::Tensor& conv_state, const at::Tensor& conv_weight,
                 const c10::optional<at::Tensor>& conv_bias, const at::Tensor& A_log,
                 const at::Tensor& dt_bias, at::Tensor& ssm_state, at::Tensor& out,
-                const at::Tensor& slots, int64_t num_k_heads, double scale, bool silu) {
+                const at::Tensor& slots, int64_t num_k_heads, double scale, bool silu,
+                const c10::optional<at::Tensor>& z, const c10::optional<at::Tensor>& norm_weight,
+                double norm_eps, bool norm_sigmoid) {
   TORCH_CHECK(VO_ON_DEVICE(qkv) && VO_ON_DEVICE(ssm_state), "gdn_decode: CUDA tensors expected");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "gdn_decode: qkv [B, D], unit stride");
   TORCH_CHECK(ssm_state.scalar_type() == at::kFloat && ssm_state.dim() == 4 &&
@@ -686,9 +715,19 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
   TORCH_CHECK(qkv.size(1) == 2 * H * K + HV * V, "gdn_decode: qkv width != 2HK + HV*V");
   TORCH_CHECK(out.size(0) >= B && out.stride(-1) == 1 && out.stride(-2) == V,
               "gdn_decode: out [B, HV, V] with contiguous heads");
+  const bool norm = z.has_value();
+  TORCH_CHECK(norm == norm_weight.has_value(), "gdn_decode: z and norm_weight go together");
+  if (norm) {
+    TORCH_CHECK(z->scalar_type() == qkv.scalar_type() && z->dim() == 3 && z->size(0) >= B &&
+                    z->size(1) == HV && z->size(2) == V && z->stride(2) == 1,
+                "gdn_decode: z [B, HV, V] with a unit last stride");
+    TORCH_CHECK(norm_weight->scalar_type() == qkv.scalar_type() &&
+                    norm_weight->is_contiguous() && norm_weight->numel() == V,
+                "gdn_decode: norm_weight [V] in the activation dtype");
+  }
   VO_DEVICE_GUARD(qkv);
   const int R = HV / H;
-  const size_t smem = (2 * K + R * V + 2 * R) * sizeof(float);
+  const size_t smem = (2 * K + R * V + 2 * R + (norm ? R * V : 0)) * sizeof(float);
   dim3 grid(H, B);
   VO_DISPATCH_FLOATS(qkv.scalar_type(), "gdn_decode", [&] {
     const scalar_t* bias = conv_bias.has_value() ? conv_bias->data_ptr<scalar_t>() : nullptr;
@@ -703,7 +742,10 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
         conv_weight.data_ptr<scalar_t>(), bias, W, A_log.data_ptr<float>(),
         dt_bias.data_ptr<float>(), ssm_state.data_ptr<float>(), ssm_state.stride(0),
         out.data_ptr<scalar_t>(), out.stride(0), slots.data_ptr<int32_t>(), H, HV, K, V,
-        static_cast<float>(scale), silu);
+        static_cast<float>(scale), silu, norm ? z->data_ptr<scalar_t>() : nullptr,
+        norm ? z->stride(0) : 0, norm ? z->stride(1) : 0,
+        norm ? norm_weight->data_ptr<scalar_t>() : nullptr, static_cast<float>(norm_eps),
+        norm_sigmoid);
   });
 }
 
@@ -849,7 +891,9 @@ TORCH_LIBRARY(vo_kernels, m) {
   m.def("rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps, bool sigmoid) -> Tensor");
   m.def("gdn_decode(Tensor qkv, Tensor a, Tensor b, Tensor(a!) conv_state, Tensor conv_weight,"
         " Tensor? conv_bias, Tensor A_log, Tensor dt_bias, Tensor(b!) ssm_state,"
-        " Tensor(c!) out, Tensor slots, int num_k_heads, float scale, bool silu) -> ()");
+        " Tensor(c!) out, Tensor slots, int num_k_heads, float scale, bool silu,"
+        " Tensor? z=None, Tensor? norm_weight=None, float norm_eps=1e-6,"
+        " bool norm_sigmoid=False) -> ()");
   m.def("moe_decode(Tensor x, Tensor topk_w, Tensor topk_ids, Tensor w13, Tensor w2,"
         " Tensor? sh_w13, Tensor? sh_w2, Tensor? sh_gate) -> Tensor");
   m.def("moe_decode_routed(Tensor x, Tensor logits, int top_k, bool renormalize, Tensor w13,"
