@@ -114,8 +114,18 @@ def _info_once(key: str, msg: str, *args: Any) -> None:
         logger.info(msg, *args)
 
 
+_reported_n = -1
+
+
 def report_usage() -> None:
     """Log the set of native paths used so far, whenever it grows (eager contexts only)."""
+    global _reported_n
+    # Both sets only grow, so a changed size is the only case with anything to log: the
+    # check costs two len() calls, not set building (this runs per layer and decode step).
+    n = len(USAGE) + len(kernels.FUSED_USED)
+    if n == _reported_n:
+        return
+    _reported_n = n
     used = set(USAGE) | {f"fused_{op}" for op in kernels.FUSED_USED}
     new = used - _reported
     if new:
