@@ -12,6 +12,10 @@ the real model these weights are ~377 MB a rank of what would otherwise be KV ca
 native path reads them by row stride (``kernels.gdn_decode`` / ``gdn_conv_prep`` check only a
 unit last-dim stride; the PyTorch fallbacks are elementwise).
 
+In an eager decode-only batch the forward goes one step further: the core output comes back
+with the layer's gated output norm applied, from the same decode launch
+(:func:`.engine.gdn_decode_normed`), and only ``out_proj`` follows.
+
 Only the Qwen3.5 layout (``gqa_interleaved_layout=False``) with unquantised, bias-free, plain
 projections is merged; everything else runs upstream's ``forward_cuda`` unchanged, with one log
 line per reason.

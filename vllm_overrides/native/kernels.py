@@ -9,7 +9,8 @@ op                     what one call does                                      l
 =====================  ======================================================  ==========
 ``gdn_decode``         conv-state update + SiLU, q/k L2 norm, gates, the       1
                        delta-rule update of each state in its cache slot, the
-                       output (padded / invalid slots skipped)
+                       output (padded / invalid slots skipped); with ``z`` the
+                       layer's gated output norm too
 ``gdn_conv_prep``      prefill causal conv1d (varlen, conv states in place) +   2
                        post-conv prep: q/k L2 norm, v, gates ``g``, ``beta``
 ``gdn_chunk_prefill``  chunked gated delta rule over packed varlen             4
