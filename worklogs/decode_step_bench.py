@@ -3,8 +3,9 @@
 
 One rank's step, in the model's order: 40 layers (layers 3, 7, ..., 39 gated full attention,
 the rest Gated DeltaNet), each with its ``(1 + w)`` RMSNorms and fused residual adds, its
-projections (``F.linear``), its mixer and the MoE block (router, routed experts, shared expert
-with its sigmoid gate), then the final norm and the LM-head shard. Weights are random, states
+projections (``kernels.linear``: the decode GEMV; ``F.linear`` with ``--gemv cublas``), its
+mixer and the MoE block (router, routed experts, shared expert with its sigmoid gate), then
+the final norm and the LM-head shard. Weights are random, states
 and caches have their real shapes. The ops are ``vllm_overrides.native.kernels``:
 
 * ``torch``: ``kernels.set_backend("torch")``, the PyTorch-only native ops;
@@ -135,14 +136,21 @@ SMOKE = Shapes(
 )  # fmt: skip
 
 
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """An unquantised linear layer as the engine runs it: ``kernels.linear`` (the decode GEMV for
+    <= 8 rows; patch 0011, ``GEMV_NATIVE``) or, with ``--gemv cublas``, ``F.linear``. The LM
+    head stays ``F.linear`` (vLLM's LM head does not go through the patched linear method)."""
+    return kn.linear(x, w) if GEMV == "native" else F.linear(x, w)
+
+
 def gdn_in_proj(h: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     """``q|k|v``, ``z``, ``b``, ``a`` of a GDN layer: one GEMM (the engine's) or, with
     ``--gdn-in-proj split``, upstream's two (``in_proj_qkvz``, ``in_proj_ba``)."""
     if GDN_IN_PROJ == "merged":
-        return list(F.linear(h, w).split(sizes, dim=-1))
+        return list(linear(h, w).split(sizes, dim=-1))
     n = sizes[0] + sizes[1]
-    qkvz = F.linear(h, w[:n]).split(sizes[:2], dim=-1)
-    return [*qkvz, *F.linear(h, w[n:]).split(sizes[2:], dim=-1)]
+    qkvz = linear(h, w[:n]).split(sizes[:2], dim=-1)
+    return [*qkvz, *linear(h, w[n:]).split(sizes[2:], dim=-1)]
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -158,6 +166,8 @@ GDN_IN_PROJ = "merged"
 # GDN output norm at decode: inside the decode kernel (the engine's, decode-only batches,
 # engine.gdn_decode_normed) or its own launch (kernels.rms_norm_gated).
 GDN_NORM = "fused"
+# Unquantised linear layers: "native" (kernels.linear, the engine with GEMV_NATIVE) or "cublas".
+GEMV = "native"
 
 
 class DecodeStep:
@@ -244,7 +254,7 @@ class DecodeStep:
     def attention(self, i: int, h: torch.Tensor) -> torch.Tensor:
         s, lw, B = self.s, self.layers[i], h.shape[0]
         nh, nkv, D = s.q_heads, s.kv_heads, s.head_dim
-        qkv = F.linear(h, lw["qkv"])
+        qkv = linear(h, lw["qkv"])
         q_gate, k, v = qkv.split([2 * nh * D, nkv * D, nkv * D], dim=-1)
         # q and gate interleaved per head; (1 + w) norms, partial NeoX RoPE, the gate split:
         # the serving code's op (patch 0010), one launch on the fused kernels.
@@ -259,7 +269,7 @@ class DecodeStep:
         # the q heads of one kv head as query rows: exact GQA for one new token, no mask
         o = F.scaled_dot_product_attention(q.view(B, nkv, nh // nkv, D), kc, vc, scale=D**-0.5)
         o = o.reshape(B, nh * D) * torch.sigmoid(gate.reshape(B, nh * D))
-        return F.linear(o, lw["o_proj"])
+        return linear(o, lw["o_proj"])
 
     def gated_deltanet(self, i: int, h: torch.Tensor) -> torch.Tensor:
         s, lw, B = self.s, self.layers[i], h.shape[0]
@@ -277,7 +287,7 @@ class DecodeStep:
                 norm_eps=s.eps,
             )  # fmt: skip
             if fused:
-                return F.linear(core.reshape(B, HV * V), lw["out_proj"])
+                return linear(core.reshape(B, HV * V), lw["out_proj"])
         else:
             conv = self.conv[i]
             x = gdn.causal_conv1d_decode(mixed_qkv, conv, lw["conv"], None, "silu", self.slots)
@@ -292,12 +302,12 @@ class DecodeStep:
             state.copy_(final)
             core = o[0]
         y = kn.rms_norm_gated(core, z.reshape(B, HV, V), lw["gnorm"], s.eps)
-        return F.linear(y.reshape(B, HV * V), lw["out_proj"])
+        return linear(y.reshape(B, HV * V), lw["out_proj"])
 
     def moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
         lw = self.layers[i]
         shared = (lw["sh_gu"], lw["sh_down"], lw["sh_gate"])
-        logits = F.linear(h, lw["router"])
+        logits = linear(h, lw["router"])
         if MOE_DECODE == "separate":  # the routing launch, then the experts (before 279761c)
             weights, ids = kn.moe_route(logits, self.s.top_k, True)
             return kn.moe_decode(h, weights, ids, lw["w13"], lw["w2"], shared=shared)
@@ -1368,6 +1378,12 @@ def main(argv: list[str] | None = None) -> int:
         help="GDN input projections: one GEMM (the engine's) or upstream's two",
     )
     ap.add_argument(
+        "--gemv",
+        default="native",
+        choices=["native", "cublas"],
+        help="linear layers at <= 8 rows: our GEMV (the engine's, GEMV_NATIVE) or F.linear",
+    )
+    ap.add_argument(
         "--gdn-norm",
         default="fused",
         choices=["fused", "separate"],
@@ -1394,10 +1410,11 @@ def main(argv: list[str] | None = None) -> int:
         help="fraction of that peak a large GEMM reaches (assumed)",
     )
     args = ap.parse_args(argv)
-    global MOE_DECODE, GDN_IN_PROJ, GDN_NORM
+    global MOE_DECODE, GDN_IN_PROJ, GDN_NORM, GEMV
     MOE_DECODE = args.moe_decode
     GDN_IN_PROJ = args.gdn_in_proj
     GDN_NORM = args.gdn_norm
+    GEMV = args.gemv
     t0 = time.time()
     s = SMOKE if args.smoke else Shapes()
     dev = torch.device("cpu" if args.smoke else "cuda")

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.nn.functional as F
 from native_util import rel_err
 
 from vllm_overrides.native import gdn, kernels, moe
@@ -178,6 +179,43 @@ def test_rms_norm_gated_strided_gate(
         ref = x64 * torch.rsqrt((x64**2).mean(-1, keepdim=True) + 1e-6) * w.cpu().double()
         ref = ref * torch.sigmoid(z64)
     _check(r["cuda"][0].cpu(), r["torch"][0].cpu(), ref, dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# Decode GEMV
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("NK", [(37, 264), (256, 2048), (3088, 1024)])
+@pytest.mark.parametrize("kdev,M", cases([1, 3, 8], [2]), indirect=["kdev"])
+def test_dense_linear_vs_reference_and_torch(
+    kdev: str, dtype: torch.dtype, NK: tuple[int, int], M: int
+) -> None:
+    """The decode GEMV against float64 and F.linear: row counts that are not a multiple of a
+    warp's rows, K not a multiple of a warp's span, x a row-strided view."""
+    N, K = NK
+    w = (torch.randn(N, K, device=kdev) * K**-0.5).to(dtype)
+    x = torch.randn(M, K + 16, device=kdev).to(dtype)[:, 8 : 8 + K]  # rows 16-byte aligned
+    assert torch.ops.vo_kernels.dense_linear_takes(x, w)  # the GEMV, not its fallback
+    r = _both(kernels.linear, x, w)
+    ref = x.cpu().double() @ w.cpu().double().T
+    assert r["cuda"][0].shape == (M, N) and r["cuda"][0].dtype == dtype
+    _check(r["cuda"][0].cpu(), r["torch"][0].cpu(), ref, dtype)
+
+
+@pytest.mark.parametrize("kdev,case", cases(["rows", "misaligned", "fp32"], ["rows"]),
+                         indirect=["kdev"])  # fmt: skip
+def test_dense_linear_falls_back_to_at_linear(kdev: str, case: str) -> None:
+    """What the GEMV does not take goes to at::linear inside the op: results equal F.linear."""
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    M = kernels.GEMV_MAX_ROWS + 1 if case == "rows" else 2
+    w = torch.randn(40, 64, device=kdev).to(dtype)
+    x = torch.randn(M, 65, device=kdev).to(dtype)
+    x = x[:, 1:] if case == "misaligned" else x[:, :64]
+    assert not torch.ops.vo_kernels.dense_linear_takes(x, w)
+    got = torch.ops.vo_kernels.dense_linear(x, w)
+    assert torch.equal(got, F.linear(x, w))
 
 
 # ------------------------------------------------------------------------------------------

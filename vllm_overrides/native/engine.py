@@ -27,6 +27,10 @@ else lives here. The switches are read once, at import, from the environment:
                           :func:`.kernels.qk_norm_rope_gate` (one launch where the extension
                           runs). Upstream's fused version of it is a Triton kernel that a CUDA
                           platform selects by default.
+``GEMV_NATIVE=1``         Unquantised linear layers (patch 0011) whose upstream GEMM is the
+                          generic ``F.linear`` run inputs of at most ``kernels.GEMV_MAX_ROWS``
+                          rows (a decode step's tokens) through :func:`.kernels.linear`: one
+                          plain launch of our GEMV instead of cuBLAS's host cost per call.
 ``PROF_TRACE=1``          ``torch.profiler.record_function`` ranges around the native MoE / GDN
                           sections (visible in any torch-profiler trace).
 ``PROF_MOE_SUMMARY=N``    MoE timing summary per process: prefill and decode buckets with the
@@ -86,6 +90,7 @@ MOE_DECODE_NATIVE = _flag("MOE_DECODE_NATIVE")
 RMSNORM_NATIVE = _flag("RMSNORM_NATIVE")
 QK_NORM_ROPE_NATIVE = _flag("QK_NORM_ROPE_NATIVE")
 VISION_ROPE_NATIVE = _flag("VISION_ROPE_NATIVE")
+GEMV_NATIVE = _flag("GEMV_NATIVE")
 PROF_TRACE = _flag("PROF_TRACE")
 PROF_MOE_SUMMARY = _int("PROF_MOE_SUMMARY")
 MOE_SUMMARY_EVERY = 1000 if PROF_MOE_SUMMARY == 1 else PROF_MOE_SUMMARY
@@ -201,6 +206,36 @@ def qk_norm_rope_gate(
         rope.rotary_dim, sec if positions.dim() == 2 else None,
     )  # fmt: skip
     return q, k, v, gate
+
+
+# --------------------------------------------------------------------------------------------
+# Unquantised linear layers (patch 0011: UnquantizedLinearMethod.__init__)
+# --------------------------------------------------------------------------------------------
+
+
+def unquantized_gemm(impl: Any) -> Any:
+    """The GEMM an ``UnquantizedLinearMethod`` calls: with ``GEMV_NATIVE``, upstream's generic
+    choice (``default_unquantized_gemm``, i.e. ``F.linear``) becomes
+    :func:`native_unquantized_gemm`; any other backend (CPU, ROCm, FlashInfer) stays."""
+    if not GEMV_NATIVE:
+        return impl
+    from vllm.model_executor.layers.utils import default_unquantized_gemm
+
+    if impl is not default_unquantized_gemm:
+        _info_once("gemv-other", "GEMV_NATIVE: linear layers keep their backend (%s)", impl)
+        return impl
+    _info_once(
+        "gemv", "GEMV_NATIVE: linear layers take <= %d rows through the GEMV kernel",
+        kernels.GEMV_MAX_ROWS,
+    )  # fmt: skip
+    return native_unquantized_gemm
+
+
+def native_unquantized_gemm(
+    layer: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``default_unquantized_gemm`` with a decode step's rows on :func:`.kernels.linear`."""
+    return kernels.linear(x, weight, bias)
 
 
 # --------------------------------------------------------------------------------------------

@@ -64,6 +64,8 @@ def _runtime_reason(layer: Any) -> str | None:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.utils import cpu_unquantized_gemm, default_unquantized_gemm
 
+    from . import engine
+
     if getattr(layer, "enable_fused_gdn_spec_decode", False):
         return "fused GDN spec decode"
     if envs.VLLM_BATCH_INVARIANT:
@@ -73,7 +75,8 @@ def _runtime_reason(layer: Any) -> str | None:
         qm = getattr(m, "quant_method", None)
         if hasattr(m, "base_layer") or not isinstance(qm, UnquantizedLinearMethod):
             return "wrapped projections (LoRA)"
-        if getattr(qm, "_gemm_impl", None) not in (default_unquantized_gemm, cpu_unquantized_gemm):
+        impls = (default_unquantized_gemm, cpu_unquantized_gemm, engine.native_unquantized_gemm)
+        if getattr(qm, "_gemm_impl", None) not in impls:
             return "non-default linear backend"
         if getattr(m, "cpu_linear", F.linear) is not F.linear:
             return "CPU GEMM dispatch packed the weights"
@@ -140,7 +143,7 @@ def _first_forward(layer: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         return layer.forward_cuda(hidden_states)
     from vllm.utils.torch_utils import _encode_layer_name
 
-    from . import engine
+    from . import engine, kernels
 
     merged = merge_weights(layer.in_proj_qkvz, layer.in_proj_ba)
     nq = layer.in_proj_qkvz.weight.shape[0]
@@ -156,6 +159,9 @@ def _first_forward(layer: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     norm = getattr(layer, "norm", None)
     fusable = norm is not None and engine.gdn_norm_fusable(norm)
     normed = engine.gdn_decode_normed if fusable else None
+    # The merged GEMM goes where the projections' own GEMM went (patch 0011's GEMV or F.linear).
+    gemm = layer.in_proj_qkvz.quant_method._gemm_impl
+    linear = kernels.linear if gemm is engine.native_unquantized_gemm else F.linear
     layer._forward_method = functools.partial(
         merged_forward,
         layer,
@@ -165,6 +171,7 @@ def _first_forward(layer: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         torch.ops.vllm.qwen_gdn_attention_core,
         contiguous,
         normed,
+        linear,
     )
     return layer._forward_method(hidden_states)
 
@@ -177,6 +184,7 @@ def merged_forward(
     core: Any,
     contiguous: bool,
     normed: Any,
+    linear: Any,
     hidden_states: torch.Tensor,
 ) -> torch.Tensor:
     """Upstream's Qwen3.5 ``forward_cuda`` with one input GEMM: same splits, same zeroed
@@ -184,7 +192,7 @@ def merged_forward(
     get the core output with the norm applied from ``normed``
     (:func:`.engine.gdn_decode_normed`: one launch for core and norm)."""
     n = hidden_states.size(0)
-    mixed_qkv, z, ba, _ = F.linear(hidden_states, weight).split(sizes, dim=-1)
+    mixed_qkv, z, ba, _ = linear(hidden_states, weight).split(sizes, dim=-1)
     z = z.reshape(n, -1, layer.head_v_dim)
     b, a = layer.split_ba(ba)
     if contiguous:

@@ -17,6 +17,8 @@ op                     what one call does                                      l
                        sequences (:func:`chunk_gated_delta_rule`): chunk
                        offsets, intra-chunk WY solve, per-sequence state pass,
                        output; q/k L2 norm fused
+``dense_linear``       ``x @ W^T`` for the <= 8 rows of a decode step (GEMV      1
+                       streaming the weight once; other shapes: ``at::linear``)
 ``rms_norm_gated``     GDN output norm ``rms(x) * w * silu(z)`` per head        1
 ``gemma_rms_norm``     Qwen ``(1 + w)`` RMSNorm, optionally with the residual   1
                        add fused
@@ -231,6 +233,22 @@ def rms_norm_gated(
         _used("rms_norm_gated")
         return torch.ops.vo_kernels.rms_norm_gated(x, z, weight, eps, activation == "sigmoid")
     return rmsnorm.rms_norm_gated(x, z, weight, eps, activation)
+
+
+# Decode GEMV rows: up to this many the fused kernel streams the weight once; more go to
+# F.linear (the C++ op falls back by itself too).
+GEMV_MAX_ROWS = 8
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; a 2-D ``x`` of at most :data:`GEMV_MAX_ROWS` rows (a decode step's tokens)
+    without bias goes to the decode GEMV where the fused kernels serve (one plain launch
+    instead of cuBLAS's host cost; the op itself hands other dtypes and layouts to
+    ``at::linear``)."""
+    if bias is None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and use_cuda(x):
+        _used("dense_linear")
+        return torch.ops.vo_kernels.dense_linear(x, weight)
+    return F.linear(x, weight, bias)
 
 
 def gdn_decode(
@@ -750,6 +768,10 @@ def _register_fakes() -> None:
         x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake(lib + "dense_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake(lib + "rms_norm_gated")
     def _(

@@ -359,6 +359,66 @@ __global__ void gdn_decode_kernel(
 }
 
 // ------------------------------------------------------------------------------------------
+// Decode GEMV: out[m, n] = sum_k x[m, k] W[n, k] for the M <= kGemvMaxRows rows of a decode
+// step, W an nn.Linear weight [N, K] (row-major), float32 accumulation, one rounding to T.
+// At these M the product is a stream of W; each warp reads kGemvRowsPerWarp of its rows with
+// 16-byte loads (x's matching chunks come through L1/L2: every warp reads the same x). Why not
+// cuBLAS: each call costs the host ~20 us there against ~12 us for a plain launch (LEDGER,
+// "What one eager launch costs the host"), and an eager step makes ~120 of them.
+// ------------------------------------------------------------------------------------------
+
+constexpr int kGemvMaxRows = 8;
+constexpr int kGemvRowsPerWarp = 4;
+constexpr int kGemvBlock = 256;
+
+template <typename T, int M>
+__global__ void gemv_kernel(const T* __restrict__ x, int64_t s_x, const T* __restrict__ w,
+                            T* __restrict__ out, int N, int K) {
+  constexpr int R = kGemvRowsPerWarp, V = Vec<T>::N;
+  const int lane = threadIdx.x % warpSize;
+  const int warps = blockDim.x / warpSize;
+  // Grid-stride over groups of R rows, so the grid need not know the warp width; the loop
+  // bound is warp-uniform (no shuffle skipped by part of a warp).
+  for (int n0 = (blockIdx.x * warps + threadIdx.x / warpSize) * R; n0 < N;
+       n0 += gridDim.x * warps * R) {
+    float acc[R][M];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    for (int k = lane * V; k < K; k += warpSize * V) {
+      Vec<T> wv[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (n0 + r < N) {
+          wv[r].load(w + static_cast<int64_t>(n0 + r) * K + k);
+        } else {
+#pragma unroll
+          for (int u = 0; u < V; ++u) wv[r].f[u] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        Vec<T> xv;
+        xv.load(x + m * s_x + k);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int u = 0; u < V; ++u) acc[r][m] += wv[r].f[u] * xv.f[u];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float v = warp_sum(acc[r][m]);
+        if (lane == (r * M + m) % warpSize && n0 + r < N)
+          out[static_cast<int64_t>(m) * N + n0 + r] = static_cast<T>(v);
+      }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
 // MoE decode experts. Pairs p = (token t, slot j) for the routed experts, then one pair per
 // token for the shared expert when present. Kernel 1: act[p] = silu(W1 x) * (W3 x), float32,
 // reading the chosen expert's rows in place. Kernel 2: out[t] = sum_j w_j W2[e_j] act[p_j]
@@ -681,6 +741,57 @@ at::Tensor rms_norm_gated(const at::Tensor& x, const at::Tensor& z, const at::Te
   return out;
 }
 
+template <typename T, int M>
+void gemv_launch(dim3 grid, const T* x, int64_t s_x, const T* w, T* out, int N, int K) {
+  VO_LAUNCH((gemv_kernel<T, M>), grid, kGemvBlock, 0, x, s_x, w, out, N, K);
+}
+
+template <typename T>
+void gemv_dispatch(int M, dim3 grid, const T* x, int64_t s_x, const T* w, T* out, int N, int K) {
+  switch (M) {
+    case 1: gemv_launch<T, 1>(grid, x, s_x, w, out, N, K); break;
+    case 2: gemv_launch<T, 2>(grid, x, s_x, w, out, N, K); break;
+    case 3: gemv_launch<T, 3>(grid, x, s_x, w, out, N, K); break;
+    case 4: gemv_launch<T, 4>(grid, x, s_x, w, out, N, K); break;
+    case 5: gemv_launch<T, 5>(grid, x, s_x, w, out, N, K); break;
+    case 6: gemv_launch<T, 6>(grid, x, s_x, w, out, N, K); break;
+    case 7: gemv_launch<T, 7>(grid, x, s_x, w, out, N, K); break;
+    default: gemv_launch<T, 8>(grid, x, s_x, w, out, N, K); break;
+  }
+}
+
+// x [M, K] @ W[N, K]^T for the rows of a decode step (gemv_kernel); anything it does not take
+// (more rows, a dtype or layout without 16-byte vectors) goes to at::linear, so a caller needs
+// no checks of its own.
+// Whether gemv_kernel takes (x, weight); the test op dense_linear_takes reports it.
+bool dense_linear_takes(const at::Tensor& x, const at::Tensor& weight) {
+  if (x.dim() != 2 || weight.dim() != 2 || x.size(1) != weight.size(1)) return false;
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  return M >= 1 && M <= kGemvMaxRows && x.scalar_type() == weight.scalar_type() &&
+         (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) &&
+         x.stride(1) == 1 && weight.is_contiguous() && K % 8 == 0 &&
+         (M == 1 || x.stride(0) % 8 == 0) &&
+         reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0 && N < (1 << 30) &&
+         VO_ON_DEVICE(x) && x.device() == weight.device();
+}
+
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight) {
+  if (!dense_linear_takes(x, weight)) return at::linear(x, weight);
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  VO_DEVICE_GUARD(x);
+  auto out = at::empty({M, N}, x.options());
+  // Sized for 32-lane warps; with wider warps each warp takes more row groups.
+  const int rows_per_block = (kGemvBlock / 32) * kGemvRowsPerWarp;
+  const dim3 grid(static_cast<unsigned>((N + rows_per_block - 1) / rows_per_block));
+  VO_DISPATCH_FLOATS(x.scalar_type(), "dense_linear", [&] {
+    gemv_dispatch<scalar_t>(static_cast<int>(M), grid, x.data_ptr<scalar_t>(), x.stride(0),
+                            weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            static_cast<int>(N), static_cast<int>(K));
+  });
+  return out;
+}
+
 void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
                 at::Tensor& conv_state, const at::Tensor& conv_weight,
                 const c10::optional<at::Tensor>& conv_bias, const at::Tensor& A_log,
@@ -889,6 +1000,8 @@ TORCH_LIBRARY(vo_kernels, m) {
   m.def("gemma_fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps)"
         " -> (Tensor, Tensor)");
   m.def("rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps, bool sigmoid) -> Tensor");
+  m.def("dense_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("dense_linear_takes(Tensor x, Tensor weight) -> bool");
   m.def("gdn_decode(Tensor qkv, Tensor a, Tensor b, Tensor(a!) conv_state, Tensor conv_weight,"
         " Tensor? conv_bias, Tensor A_log, Tensor dt_bias, Tensor(b!) ssm_state,"
         " Tensor(c!) out, Tensor slots, int num_k_heads, float scale, bool silu,"
@@ -909,6 +1022,8 @@ TORCH_LIBRARY_IMPL(vo_kernels, VO_DISPATCH_KEY, m) {
   m.impl("gemma_fused_add_rms_norm", &gemma_fused_add_rms_norm);
   m.impl("rms_norm_gated", &rms_norm_gated);
   m.impl("gdn_decode", &gdn_decode);
+  m.impl("dense_linear", &dense_linear);
+  m.impl("dense_linear_takes", &dense_linear_takes);
   m.impl("moe_decode", &moe_decode);
   m.impl("moe_decode_routed", &moe_decode_routed);
   m.impl("qk_norm_rope_gate", &qk_norm_rope_gate);

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""The decode GEMV (``kernels.linear`` -> ``vo_kernels.dense_linear``) against ``F.linear``
+(cuBLAS) at one TP4 rank's decode shapes of Qwen3.6-35B-A3B (issue 14, patch 0011).
+
+Per shape and row count: GPU time per call (CUDA graph of 20 calls replayed, so launch gaps do
+not count), host time per call (back-to-back eager calls, one sync at the end: the host is the
+bottleneck there) and the bandwidth the GPU time implies for the weight bytes. Writes
+``gemv_probe.{json,txt}`` to ``--out``. GPU only::
+
+    NATIVE_KERNELS=cuda NATIVE_KERNELS_JIT=1 python3 worklogs/remote_scripts/gemv_probe.py \\
+        --out $OUT/gemv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vllm_overrides.native import kernels
+
+# (name, N, K) of one TP4 rank: GDN in_proj q|k|v|z|b|a, GDN out_proj, MoE router, attention
+# qkv (+ gate) and o_proj, and the LM-head shard (which the engine keeps on F.linear).
+SHAPES = [
+    ("gdn_in_proj", 3088, 2048),
+    ("gdn_out_proj", 2048, 1024),
+    ("router", 256, 2048),
+    ("attn_qkv", 2560, 2048),
+    ("attn_o_proj", 2048, 1024),
+    ("lm_head_shard", 62080, 2048),
+]
+
+
+def gpu_us(fn: Callable[[], object], calls: int = 20, reps: int = 30) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        res.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(res)
+
+
+def host_us(fn: Callable[[], object], n: int = 1000, rounds: int = 5) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        res.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(res)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    args = ap.parse_args()
+    kernels.set_backend("cuda")
+    assert kernels.extension_loaded(), kernels._load_error
+    dt = getattr(torch, args.dtype)
+    rows_out = []
+    for name, N, K in SHAPES:
+        w = (torch.randn(N, K, device="cuda") * K**-0.5).to(dt)
+        for M in [int(m) for m in args.rows.split(",")]:
+            x = torch.randn(M, K, device="cuda").to(dt)
+            assert torch.ops.vo_kernels.dense_linear_takes(x, w)
+            ref = x.double() @ w.double().T
+            got = kernels.linear(x, w)
+            err = float((got.double() - ref).norm() / ref.norm())
+            err_cublas = float((F.linear(x, w).double() - ref).norm() / ref.norm())
+            r = {
+                "shape": name,
+                "N": N,
+                "K": K,
+                "M": M,
+                "rel_err": err,
+                "rel_err_cublas": err_cublas,
+            }
+            for impl, fn in (
+                ("gemv", lambda x=x, w=w: kernels.linear(x, w)),
+                ("cublas", lambda x=x, w=w: F.linear(x, w)),
+            ):
+                g = gpu_us(fn)
+                r[f"{impl}_gpu_us"] = round(g, 2)
+                r[f"{impl}_GBps"] = round(N * K * w.element_size() / g / 1e3, 1)
+                r[f"{impl}_host_us"] = round(host_us(fn), 2)
+            rows_out.append(r)
+            print(json.dumps(r), flush=True)
+    out = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "rows": rows_out,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gemv_probe.json").write_text(json.dumps(out, indent=1))
+    head = (
+        f"decode GEMV vs F.linear, {out['device']}, torch {out['torch']}, {args.dtype}\n"
+        f"{'shape':<14} {'N':>6} {'K':>5} {'M':>2}  {'gemv GPU us':>11} {'cuBLAS GPU us':>13}"
+        f"  {'gemv GB/s':>9} {'cuBLAS GB/s':>11}  {'gemv host us':>12} {'cuBLAS host us':>14}"
+        f"  {'rel err':>8}"
+    )
+    lines = [head] + [
+        f"{r['shape']:<14} {r['N']:>6} {r['K']:>5} {r['M']:>2}  {r['gemv_gpu_us']:>11.2f} "
+        f"{r['cublas_gpu_us']:>13.2f}  {r['gemv_GBps']:>9.0f} {r['cublas_GBps']:>11.0f}  "
+        f"{r['gemv_host_us']:>12.2f} {r['cublas_host_us']:>14.2f}  {r['rel_err']:>8.1e}"
+        for r in rows_out
+    ]
+    (args.out / "gemv_probe.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
