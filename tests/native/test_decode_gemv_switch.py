@@ -57,13 +57,13 @@ def test_native_gemm_runs_the_gemv_kernel_source() -> None:
     kernels.enable_cpu_emulation(warp_size=64)
     kernels.set_backend("cuda")
     try:
-        x = torch.randn(3, 256).bfloat16()
+        x = torch.randn(kernels.GEMV_MAX_ROWS, 256).bfloat16()
         w = (torch.randn(40, 256) * 0.06).bfloat16()
         assert torch.ops.vo_kernels.dense_linear_takes(x, w)
         got = engine.native_unquantized_gemm(None, x, w)
         want = x.double() @ w.double().T
         assert "dense_linear" in kernels.FUSED_USED
-        assert got.dtype == torch.bfloat16 and got.shape == (3, 40)
+        assert got.dtype == torch.bfloat16 and got.shape == (kernels.GEMV_MAX_ROWS, 40)
         assert (got.double() - want).norm() / want.norm() < 1e-2
     finally:
         kernels.disable_cpu_emulation()

@@ -17,8 +17,9 @@ op                     what one call does                                      l
                        sequences (:func:`chunk_gated_delta_rule`): chunk
                        offsets, intra-chunk WY solve, per-sequence state pass,
                        output; q/k L2 norm fused
-``dense_linear``       ``x @ W^T`` for the <= 8 rows of a decode step (GEMV      1
-                       streaming the weight once; other shapes: ``at::linear``)
+``dense_linear``       ``x @ W^T`` for a decode step's row: a GEMV streaming    1
+                       the weight once (the op takes <= 8 rows; other shapes,
+                       dtypes and layouts: ``at::linear``)
 ``rms_norm_gated``     GDN output norm ``rms(x) * w * silu(z)`` per head        1
 ``gemma_rms_norm``     Qwen ``(1 + w)`` RMSNorm, optionally with the residual   1
                        add fused
@@ -235,9 +236,12 @@ def rms_norm_gated(
     return rmsnorm.rms_norm_gated(x, z, weight, eps, activation)
 
 
-# Decode GEMV rows: up to this many the fused kernel streams the weight once; more go to
-# F.linear (the C++ op falls back by itself too).
-GEMV_MAX_ROWS = 8
+# Rows that take the decode GEMV; more go to F.linear. One: at M = 1 the GEMV's GPU time
+# matches cuBLAS at every decode shape while its host cost is ~13 instead of ~20 us, but at
+# M = 4 / 8 cuBLAS's GPU time is 2-4x lower (worklogs/remote_scripts/gemv_probe.py, LEDGER).
+# The platform drives one request at a time, so decode steps are M = 1. The op itself takes
+# up to 8 rows (tests run them).
+GEMV_MAX_ROWS = 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

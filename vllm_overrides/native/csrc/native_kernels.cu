@@ -369,7 +369,9 @@ __global__ void gdn_decode_kernel(
 
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvRowsPerWarp = 4;
-constexpr int kGemvBlock = 256;
+// 128 threads: 16 rows a block with 32-lane warps, so a 2K-4K-row projection still spreads
+// over more blocks than an H200 has SMs (its weight streams from HBM: every SM must pull).
+constexpr int kGemvBlock = 128;
 
 template <typename T, int M>
 __global__ void gemv_kernel(const T* __restrict__ x, int64_t s_x, const T* __restrict__ w,
@@ -386,6 +388,7 @@ __global__ void gemv_kernel(const T* __restrict__ x, int64_t s_x, const T* __res
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+#pragma unroll 2
     for (int k = lane * V; k < K; k += warpSize * V) {
       Vec<T> wv[R];
 #pragma unroll
