@@ -368,9 +368,10 @@ __global__ void gdn_decode_kernel(
 // ------------------------------------------------------------------------------------------
 
 constexpr int kGemvMaxRows = 8;
-constexpr int kGemvRowsPerWarp = 4;
-// 128 threads: 16 rows a block with 32-lane warps, so a 2K-4K-row projection still spreads
-// over more blocks than an H200 has SMs (its weight streams from HBM: every SM must pull).
+constexpr int kGemvRowsPerWarp = 2;
+// 128 threads, 2 rows a warp: 8 rows a block with 32-lane warps, so a 2K-3K-row projection
+// spreads over ~2-3 blocks per H200 SM (its weight streams from HBM: every SM must pull, and
+// with 16 rows a block the second wave left half the SMs idle: 1.3 of cuBLAS's GPU time).
 constexpr int kGemvBlock = 128;
 
 template <typename T, int M>
@@ -388,7 +389,7 @@ __global__ void gemv_kernel(const T* __restrict__ x, int64_t s_x, const T* __res
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-#pragma unroll 2
+#pragma unroll 4
     for (int k = lane * V; k < K; k += warpSize * V) {
       Vec<T> wv[R];
 #pragma unroll
