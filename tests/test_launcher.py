@@ -40,7 +40,7 @@ def test_yaml_schema_and_the_platform_settings(config) -> None:
     assert all(isinstance(v, str) for v in config.env.values())
     assert config.env == {
         "PROF_TRACE": "0", "PROF_MOE_SUMMARY": "0", "MOE_NATIVE": "1", "MOE_DECODE_NATIVE": "0",
-        "GDN_NATIVE": "1", "RMSNORM_NATIVE": "1", "QK_NORM_ROPE_NATIVE": "1",
+        "GDN_NATIVE": "1", "RMSNORM_NATIVE": "1", "QK_NORM_ROPE_NATIVE": "1", "GEMV_NATIVE": "1",
         "VISION_ROPE_NATIVE": "1", "NATIVE_KERNELS": "auto", "GDN_CHUNK_KERNEL": "fused",
     }  # fmt: skip
     assert b"\r" not in DEFAULT_CONFIG.read_bytes()

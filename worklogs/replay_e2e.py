@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench_wall_s": round(bench_wall, 1),
             "server_command": cmd,
             "server_env": {k: os.environ[k] for k in ("GDN_NATIVE", "RMSNORM_NATIVE",
-                           "MOE_NATIVE", "QK_NORM_ROPE_NATIVE", "VISION_ROPE_NATIVE",
+                           "MOE_NATIVE", "QK_NORM_ROPE_NATIVE", "VISION_ROPE_NATIVE", "GEMV_NATIVE",
                            "NATIVE_KERNELS") if k in os.environ},
         }  # fmt: skip
         result = json.loads(out.read_text())
