@@ -301,6 +301,27 @@ def _flush_cpu_denormals() -> None:
     _info_once("gdn-ftz", "GDN_NATIVE on CPU: denormals flushed on all threads: %s", ok)
 
 
+def _gdn_metadata(layer: Any) -> Any:
+    """This step's GDN attention metadata of ``layer`` (``None`` in profile / dummy runs)."""
+    from vllm.forward_context import get_forward_context
+
+    meta = get_forward_context().attn_metadata
+    return meta.get(layer.prefix) if isinstance(meta, dict) else None
+
+
+def _gdn_states(layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A native GDN core is about to run on ``x``: count and report it, flush CPU denormals once,
+    and return the layer's (conv state as the kernels take it ``[slots, D, W-1]``, ssm state)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    _mark("gdn_core")
+    report_usage()
+    if not _denormals_flushed and x.device.type == "cpu":
+        _flush_cpu_denormals()
+    kv = layer.kv_cache
+    return (kv[0] if is_conv_state_dim_first() else kv[0].transpose(-1, -2)), kv[1]
+
+
 def _decode(
     layer: Any,
     md: Any,
@@ -339,11 +360,7 @@ def gdn_decode_normed(
     row), or ``None`` to leave the batch to the core op and ``_output_projection``. Eager
     only: this bypasses the ``qwen_gdn_attention_core`` custom op, which is a boundary for
     ``torch.compile`` and nothing more (its impl calls the layer's ``_forward_core``)."""
-    from vllm.forward_context import get_forward_context
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
-    meta = get_forward_context().attn_metadata
-    md = meta.get(layer.prefix) if isinstance(meta, dict) else None
+    md = _gdn_metadata(layer)
     if (
         md is None
         or md.num_prefills > 0
@@ -352,19 +369,14 @@ def gdn_decode_normed(
         or md.num_accepted_tokens is not None
     ):
         return None
-    _mark("gdn_core")
     _mark("gdn_decode_norm_fused")
-    report_usage()
-    if not _denormals_flushed and mixed_qkv.device.type == "cpu":
-        _flush_cpu_denormals()
-    kv = layer.kv_cache
-    conv_state = kv[0] if is_conv_state_dim_first() else kv[0].transpose(-1, -2)
+    conv_state, ssm_state = _gdn_states(layer, mixed_qkv)
     n_all, ndt = mixed_qkv.size(0), md.num_decode_tokens
     shape = (n_all, layer.num_v_heads // layer.tp_size, layer.head_v_dim)
     # Rows past the batch (padding) stay zero, as upstream's zeroed buffer leaves them.
     alloc = torch.empty if ndt == n_all else torch.zeros
     out = alloc(shape, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
-    _decode(layer, md, mixed_qkv, b, a, out, conv_state, kv[1], z)
+    _decode(layer, md, mixed_qkv, b, a, out, conv_state, ssm_state, z)
     return out
 
 
@@ -388,23 +400,13 @@ def gdn_forward_core(
 
     Batch order is vLLM's: decode tokens first, then the prefill tokens.
     """
-    from vllm.forward_context import get_forward_context
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
-    meta = get_forward_context().attn_metadata
-    md = meta.get(layer.prefix) if isinstance(meta, dict) else None
+    md = _gdn_metadata(layer)
     if md is None:
         return True  # profile / dummy run: nothing to warm up (no autotuned kernels)
     if md.spec_sequence_masks is not None or md.num_accepted_tokens is not None:
         _info_once("gdn-spec", "GDN_NATIVE: speculative-decode batches use upstream kernels")
         return False
-    _mark("gdn_core")
-    report_usage()
-    if not _denormals_flushed and mixed_qkv.device.type == "cpu":
-        _flush_cpu_denormals()
-    kv = layer.kv_cache
-    conv_state = kv[0] if is_conv_state_dim_first() else kv[0].transpose(-1, -2)
-    ssm_state = kv[1]
+    conv_state, ssm_state = _gdn_states(layer, mixed_qkv)
     n = md.num_actual_tokens
     mixed_qkv, b, a = mixed_qkv[:n], b[:n], a[:n]
     weight = _conv_weight(layer)

@@ -321,19 +321,12 @@ def gdn_decode(
     )
     if ok:
         _used("gdn_decode")
-        if norm:
-            torch.ops.vo_kernels.gdn_decode(
-                mixed_qkv, a, b, conv_state, conv_weight.contiguous(), conv_bias,
-                A_log.float(), dt_bias.float(), ssm_state, out, slots.to(torch.int32),
-                num_k_heads, scale, silu, z, norm_weight.contiguous(), norm_eps,
-                norm_activation == "sigmoid",
-            )  # fmt: skip
-        else:
-            torch.ops.vo_kernels.gdn_decode(
-                mixed_qkv, a, b, conv_state, conv_weight.contiguous(), conv_bias,
-                A_log.float(), dt_bias.float(), ssm_state, out, slots.to(torch.int32),
-                num_k_heads, scale, silu,
-            )  # fmt: skip
+        torch.ops.vo_kernels.gdn_decode(
+            mixed_qkv, a, b, conv_state, conv_weight.contiguous(), conv_bias,
+            A_log.float(), dt_bias.float(), ssm_state, out, slots.to(torch.int32),
+            num_k_heads, scale, silu, z if norm else None,
+            norm_weight.contiguous() if norm else None, norm_eps, norm_activation == "sigmoid",
+        )  # fmt: skip
         return
     x = gdn.causal_conv1d_decode(mixed_qkv, conv_state, conv_weight, conv_bias, activation, slots)
     gdn.fused_recurrent_gated_delta_rule_packed_decode(

@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from host_overhead_probe import per_call_us  # noqa: E402  (this script's folder)
+
 from vllm_overrides.native import kernels  # noqa: E402
 
 # (name, N, K) of one TP4 rank: GDN in_proj q|k|v|z|b|a, GDN out_proj, MoE router, attention
@@ -62,20 +63,6 @@ def gpu_us(fn: Callable[[], object], calls: int = 20, reps: int = 30) -> float:
         b.record()
         torch.cuda.synchronize()
         res.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(res)
-
-
-def host_us(fn: Callable[[], object], n: int = 1000, rounds: int = 5) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        res.append((time.perf_counter() - t0) / n * 1e6)
     return statistics.median(res)
 
 
@@ -126,7 +113,7 @@ def main() -> None:
                 g = gpu_us(fn)
                 r[f"{impl}_gpu_us"] = round(g, 2)
                 r[f"{impl}_GBps"] = round(N * K * w.element_size() / g / 1e3, 1)
-                r[f"{impl}_host_us"] = round(host_us(fn), 2)
+                r[f"{impl}_host_us"] = round(per_call_us(fn, 1000, 5), 2)
             rows_out.append(r)
             print(json.dumps(r), flush=True)
     out = {
