@@ -834,6 +834,31 @@ def check_memory(plan: MemoryPlan) -> Check:
     )
 
 
+def check_kv_offload(config: RunConfig, tp: int, layout: KVLayout, gpu_tokens: int) -> Check:
+    """What `--kv-offloading-size` asks of the host, and how many tokens it adds.
+
+    vLLM's native CPU tier keeps every KV cache group's page of a block together (one chunk of
+    ``(attention + GDN groups) x layers x page`` bytes per block and rank), in one `/dev/shm`
+    file for all ranks; the server fits the size to the host it finds (patch 0012)."""
+    raw = get_flag(config.command, "--kv-offloading-size")
+    if raw is None:
+        return Check("KV offload", GO, "off (no --kv-offloading-size)")
+    gib = float(raw)
+    chunk = (layout.attention_groups + layout.mamba_groups) * layout.bytes_per_block
+    chunks = int(gib * GIB / tp // chunk)
+    tokens = chunks * layout.block_size
+    detail = (
+        f"{gib:g} GiB of host memory in /dev/shm ({gib / tp:g} per rank): {chunks:,} blocks = "
+        f"{tokens:,} tokens per rank, {tokens / max(gpu_tokens, 1):.1f}x the GPU pool; the "
+        "server shrinks it to what /dev/shm and host memory hold, off below "
+        "4 GiB (vllm_overrides/kv_offload_fit.py)"
+    )
+    if tokens <= gpu_tokens:
+        # An LRU tier no larger than the GPU pool holds what the pool already holds.
+        return Check("KV offload", WARN, detail + "; no larger than the GPU pool: no gain")
+    return Check("KV offload", GO, detail)
+
+
 def gdn_checkpoint_blocks(env: dict[str, str], prefix_caching: bool) -> int:
     """GDN prefill-checkpoint blocks per request and GDN group the launch reserves.
 
@@ -899,6 +924,10 @@ def run_preflight(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]
     )
     checks.append(check_memory(plan))
     extra["memory"] = asdict(plan)
+    layout = kv_layout(
+        facts, tp, DTYPE_BYTES.get(dtype, 2), prefix_caching, checkpoint_blocks=ckpt
+    )  # as memory_plan's
+    checks.append(check_kv_offload(config, tp, layout, plan.kv_capacity_tokens))
     return checks, extra
 
 

@@ -7,7 +7,7 @@ Usage::
     python worklogs/cache_sim.py --dataset /tmp/perfdata/replay881.jsonl \\
         --out worklogs/results/cache-sim-replay881.json \\
         [--mnbt 8192 16384] [--capacity-scale 1.0 0.5] [--prefix-match-unit 528 16] \\
-        [--checkpoint 0 1] [-c CONCURRENCY] [--max-tokens 16] [-r N]
+        [--checkpoint 0 1] [--offload-gib 0 128] [-c CONCURRENCY] [--max-tokens 16] [-r N]
 
 What it builds (the way vLLM's scheduler tests do, with the real model's layout):
 
@@ -18,7 +18,11 @@ What it builds (the way vLLM's scheduler tests do, with the real model's layout)
   at each ``--mnbt`` (``--capacity-scale`` shrinks it to show how capacity moves the hit);
 * ``--checkpoint 1``: the GDN groups reserve one prefill-checkpoint block per request
   (``MambaSpec.num_prefill_checkpoint_blocks``), what patch 0006 turns on for the native GDN
-  path; the pool loses the blocks the preflight then charges for it.
+  path; the pool loses the blocks the preflight then charges for it;
+* ``--offload-gib S`` (default: the YAML's ``--kv-offloading-size``): vLLM's native CPU tier
+  (``OffloadingConnector``, its scheduler side and CPU manager as the server runs them) of S GiB
+  for the 4 ranks, assumed to fit the host (the server shrinks it where it does not: patch
+  0012); the connector's worker is emulated: every load and store is done by the next step.
 
 It renders every request with the chat template (the tiny model's tokenizer is the real one),
 replays them in dataset order at the YAML's concurrency with each session's turns in order
@@ -135,6 +139,8 @@ class SimConfig:
     concurrency: int
     max_tokens: int
     layout: str = "platform"
+    # --kv-offloading-size (GiB, all TP ranks together as vLLM takes it); 0: no CPU tier.
+    offload_gib: float = 0.0
 
 
 def platform_pool(mnbt: int, checkpoint: bool) -> dict[str, Any]:
@@ -235,7 +241,23 @@ def build_scheduler(sim: SimConfig, concurrency: int) -> tuple[Any, dict[str, An
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
     )
-    vllm_config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
+    kv_transfer = None
+    if sim.offload_gib > 0:
+        from vllm.config import KVTransferConfig
+
+        # What `--kv-offloading-size S` sets up (VllmConfig._post_init_kv_transfer_config),
+        # for one of the TP4 ranks: vLLM splits the bytes over its workers.
+        ranks = 4 if sim.layout == "platform" else 1
+        kv_transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            engine_id="cache-sim",
+            kv_connector_extra_config={"cpu_bytes_to_use": sim.offload_gib * (1 << 30) / ranks},
+        )
+    vllm_config = VllmConfig(
+        model_config=model, cache_config=cache, scheduler_config=sched,
+        kv_transfer_config=kv_transfer,
+    )  # fmt: skip
     attn = FullAttentionSpec(
         block_size=bs, num_kv_heads=layout.kv_heads_per_rank, head_size=256, dtype=torch.float16
     )
@@ -369,6 +391,7 @@ def simulate(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            kv_connector_output=offload_worker_output(out.kv_connector_metadata),
         )
         scheduler.update_from_output(out, mro)
         for rid in list(in_flight):
@@ -407,6 +430,26 @@ def simulate(
     }
 
 
+def offload_worker_output(meta: Any) -> Any:
+    """What the offloading connector's worker would report after this step: every load and
+    store of the step done (a prompt's chunk takes the card ~1 s to prefill, its blocks
+    ~10-30 ms to copy over PCIe, so transfers keep up). The scheduler side is vLLM's own."""
+    if meta is None or not (meta.load_jobs or meta.store_jobs):
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+
+    done = OffloadingWorkerMetadata()
+    for job_id in (*meta.load_jobs, *meta.store_jobs):
+        done.mark_completed(job_id)
+    return KVConnectorOutput(
+        finished_recving={job.req_id for job in meta.load_jobs.values()} or None,
+        kv_connector_worker_meta=done,
+    )
+
+
 def info_max_prompt(info: dict[str, Any], scheduler: Any, sim: SimConfig) -> int:
     # vLLM refuses prompts that leave no room for one output token.
     return scheduler.max_model_len - sim.max_tokens
@@ -429,21 +472,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--layout", choices=("platform", "tiny-cpu"), default="platform",
                     help="platform: Qwen3.6-35B-A3B at TP4 with the YAML's capacity; tiny-cpu: "
                     "the tiny model's CPU server (to check the simulator against it)")
+    ap.add_argument("--offload-gib", type=float, nargs="+",
+                    help="--kv-offloading-size in GiB (all ranks; 0: no CPU tier); default: "
+                    "the YAML's")
     ap.add_argument("--token-cache", type=Path, default=Path("/tmp/cache_sim_tokens"))
     args = ap.parse_args(argv)
 
     logging.disable(logging.WARNING)
-    from vllm_overrides.launcher import DEFAULT_CONFIG, load_run_config
+    from vllm_overrides.launcher import DEFAULT_CONFIG, get_flag, load_run_config
 
-    concurrency = args.concurrency or load_run_config(DEFAULT_CONFIG).concurrency
+    run_config = load_run_config(DEFAULT_CONFIG)
+    concurrency = args.concurrency or run_config.concurrency
+    if args.offload_gib is None:
+        args.offload_gib = [float(get_flag(run_config.command, "--kv-offloading-size") or 0)]
     reqs, sha = render_dataset(args.dataset, args.requests, args.token_cache)
     ideal = pm.ideal_prefix_tokens([r["ids"] for r in reqs])
     runs = []
     grid = [
         SimConfig(mnbt, scale, pmu or None, bool(ck),
                   None if args.retention_interval < 0 else args.retention_interval,
-                  concurrency, args.max_tokens, args.layout)
+                  concurrency, args.max_tokens, args.layout, gib)
         for mnbt in args.mnbt
+        for gib in args.offload_gib
         for scale in args.capacity_scale
         for pmu in args.prefix_match_unit
         for ck in args.checkpoint
@@ -456,12 +506,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         c, s = run["config"], run["scheduler"]
         rows.append((
             c["mnbt"], c["capacity_scale"], s["hash_block_size"], int(c["checkpoint"]),
+            f"{c['offload_gib']:g}",
             f"{s['num_blocks']:,}", f"{s['predicted_capacity_tokens']:,}",
             pm.pct(run["hit"]), pm.pct(run["ideal_hit"]), pm.pct(run["efficiency"]),
             f"{run['prefill_chunks_mean']:.2f}",
         ))
-    print(pm.render_table(rows, ("mnbt", "cap x", "hash unit", "ckpt", "blocks", "capacity",
-                                 "hit", "ideal", "efficiency", "chunks/req")))
+    print(pm.render_table(rows, ("mnbt", "cap x", "hash unit", "ckpt", "cpu GiB", "blocks",
+                                 "capacity", "hit", "ideal", "efficiency", "chunks/req")))
     result = {
         "schema": SCHEMA,
         "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])]),

@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 
 from vllm_overrides import preflight as pf
-from vllm_overrides.launcher import DEFAULT_CONFIG, REPO_DIR, RunConfig, load_run_config
+from vllm_overrides.launcher import (
+    DEFAULT_CONFIG,
+    REPO_DIR,
+    RunConfig,
+    load_run_config,
+    set_flag,
+)
 
 TINY_CONFIG = REPO_DIR / "build" / "tiny-model" / "config.json"
 
@@ -383,3 +389,23 @@ def test_max_num_seqs_is_reported_capacity_never_counted_towards_go(
     assert 2 <= seqs < 256
     check = pf.check_memory(pf.memory_plan(facts, max_num_seqs=seqs, **kw))
     assert check.status == pf.GO and f"--max-num-seqs {seqs} may free" in check.detail
+
+
+@pytest.mark.parametrize(
+    ("size", "status", "tokens"),
+    [(None, pf.GO, None), ("128", pf.GO, "838,464"), ("32", pf.WARN, "209,616")],
+)
+def test_kv_offload_row_says_what_the_tier_holds(
+    facts: pf.ModelFacts, config: RunConfig, size: str | None, status: str, tokens: str | None
+) -> None:
+    """The CPU tier's chunk is all four KV cache groups' pages of a block (20.6 MiB per rank at
+    TP4, what vLLM's CPU offloading spec allocates): 128 GiB hold 1,588 blocks per rank; a tier
+    no larger than the GPU pool adds no hits (worklogs/cache_sim.py) and is a warning."""
+    run = RunConfig(config.concurrency, set_flag(config.command, "--kv-offloading-size", size),
+                    config.env)  # fmt: skip
+    check = pf.check_kv_offload(run, 4, pf.kv_layout(facts, 4, checkpoint_blocks=1), 278_784)
+    assert check.status == status, check
+    if tokens is None:
+        assert check.detail.startswith("off"), check
+    else:
+        assert f"= {tokens} tokens per rank" in check.detail, check
