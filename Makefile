@@ -77,7 +77,8 @@ replay: setup
 	$(PY) worklogs/replay_e2e.py --preset $(REPLAY_PRESET) $(if $(REPLAY_REQUESTS),-r $(REPLAY_REQUESTS))
 
 # Prefix-cache hits at the platform's scale: vLLM's own scheduler + KV cache manager with the
-# real model's TP4 layout and the KV capacity `make preflight` predicts (worklogs/cache_sim.py).
+# real model's TP4 layout, the KV capacity `make preflight` predicts and the YAML's CPU tier
+# (--kv-offloading-size; SIM_ARGS="--offload-gib 0 128" compares) (worklogs/cache_sim.py).
 SIM_ARGS ?= --mnbt 8192 12288 16384 --checkpoint 0 1
 cache-sim: setup
 	$(PY) worklogs/generate_official_like_dataset.py --preset replay881 --seed 0 --out build/replay/replay881.jsonl
