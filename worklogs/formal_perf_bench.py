@@ -37,6 +37,7 @@ import shlex
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -182,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="POST /reset_prefix_cache first (vLLM with VLLM_SERVER_DEV_MODE=1); "
                     "without it a rerun of the same dataset on the same server starts warm")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--record-log", type=Path,
+                    help="append each request's record to this JSON-lines file as it ends")
     ap.add_argument("--no-ideal", action="store_true",
                     help="skip the /tokenize pass (token-level ideal and cache efficiency)")
     args = ap.parse_args(argv)
@@ -209,10 +212,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if preflight["status"] != "ok":
             print(f"WARNING: preflight failed: {preflight['status']} {preflight['error']}",
                   file=sys.stderr)
+    if args.record_log:
+        args.record_log.write_text("", encoding="utf-8")  # this run's records only
     t_wall0 = time.time()
     records = asyncio.run(perf_client.run_specs(
         args.base_url, specs, args.concurrency, args.timeout, args.api_key,
-        session_deps=not args.no_session_deps, progress_label="replay "))
+        session_deps=not args.no_session_deps, progress_label="replay ",
+        record_log=args.record_log))
     metrics = pm.compute_metrics(records)
     efficiency = None if args.no_ideal else add_ideal(args.base_url, specs, records,
                                                       args.api_key)

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -140,13 +141,15 @@ class Progress:
 async def run_specs(base_url: str, specs: Sequence[RequestSpec], concurrency: int,
                     timeout_s: float, api_key: str | None = None, session_deps: bool = True,
                     progress_label: str = "", t_ref: float | None = None,
-                    transport: httpx.AsyncBaseTransport | None = None
-                    ) -> list[dict[str, Any]]:
+                    transport: httpx.AsyncBaseTransport | None = None,
+                    record_log: str | Path | None = None) -> list[dict[str, Any]]:
     """Send ``specs`` in order with at most ``concurrency`` in flight; one record per spec.
 
     With ``session_deps`` a request waits until the previous request of its session finished,
     as an agent would (it needs the answer before its next turn); the wait happens before
-    ``t_start`` so it is not charged to the request.
+    ``t_start`` so it is not charged to the request. With ``record_log`` every record is also
+    appended to that JSON-lines file as its request ends (times relative to the call's
+    origin), so a run cut short -- hours of a long replay -- still leaves what it measured.
     """
     url = base_url.rstrip("/") + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {api_key or 'EMPTY'}"}
@@ -177,6 +180,9 @@ async def run_specs(base_url: str, specs: Sequence[RequestSpec], concurrency: in
                     await ev.wait()
                 rec = await stream_one(client, url, specs[i], i, timeout_s, headers)
                 records[i] = rec
+                if record_log is not None:
+                    with open(record_log, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(_relative(rec, t_call0)) + "\n")
                 done_events[i].set()
                 prog.update(rec)
 
@@ -185,11 +191,12 @@ async def run_specs(base_url: str, specs: Sequence[RequestSpec], concurrency: in
     assert len(out) == len(specs)
     # times relative to the start of this call (or t_ref, to share one origin across calls):
     # readable, and the metrics are shift-invariant
-    for r in out:
-        for k in ("t_start", "t_first_token", "t_end"):
-            if r[k] is not None:
-                r[k] = round(r[k] - t_call0, 6)
-    return out
+    return [_relative(r, t_call0) for r in out]
+
+
+def _relative(rec: dict[str, Any], t0: float) -> dict[str, Any]:
+    return {**rec, **{k: round(rec[k] - t0, 6) for k in ("t_start", "t_first_token", "t_end")
+                      if rec.get(k) is not None}}  # fmt: skip
 
 
 def server_info(base_url: str, api_key: str | None = None) -> dict[str, Any]:

@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             later = [*bench[:5], str(pout), *bench[6:]]
             if args.cold_passes:
                 later.append("--reset-prefix-cache")
-            rc |= formal_perf_bench.main(bench if k == 1 else later)
+            # Each request's record as it ends: a replay of hours that is cut short keeps them.
+            log_k = ["--record-log", str(pout.with_suffix(".records.jsonl"))]
+            rc |= formal_perf_bench.main([*(bench if k == 1 else later), *log_k])
             pass_spans.append((t_pass, time.perf_counter() - sampler.t0))
         bench_wall = time.perf_counter() - t_bench
         sampler.stop_event.set()

@@ -104,6 +104,18 @@ def test_outcomes_are_all_recorded_in_order() -> None:
     assert m["status_counts"]["timeout"] == 1
 
 
+def test_record_log_keeps_each_record_as_its_request_ends(tmp_path: Path) -> None:
+    log = tmp_path / "records.jsonl"
+    kinds = ["ok", "bad_request", "slow", "toolcall"]
+    recs = asyncio.run(perf_client.run_specs(
+        "http://test", [spec(k) for k in kinds], 1, 1.0,
+        transport=httpx.MockTransport(handler), record_log=log))  # fmt: skip
+    logged = [json.loads(ln) for ln in log.read_text().splitlines()]
+    # concurrency 1: in completion order = dataset order, the same records the call returns
+    assert logged == recs
+    assert [r["status"] for r in logged] == ["ok", "http_error", "timeout", "ok"]
+
+
 def test_role_only_first_chunk_is_not_the_first_token() -> None:
     rec = run([spec("ok")])[0]
     # the empty-content role chunk came first; TTFT is set by "Hi"
