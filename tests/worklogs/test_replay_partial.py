@@ -1,0 +1,42 @@
+"""worklogs/replay_partial.py: hit and efficiency of a replay cut short, from its record log."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "worklogs"))
+
+import replay_partial  # noqa: E402
+
+
+def test_partial_log_gives_ideal_hit_and_efficiency(tmp_path: Path) -> None:
+    lines = [{"id": f"r{i}", "meta": {"session_id": "s"}, "body": {}} for i in range(3)]
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    sha = hashlib.sha256(dataset.read_bytes()).hexdigest()
+    ids = [list(range(100)), list(range(80)) + [7] * 40, list(range(120)) + [9] * 10]
+    cache = tmp_path / "tok"
+    cache.mkdir()
+    # the token ids as cache_sim.render_dataset caches them (no tokenizer needed here)
+    np.savez(cache / f"{sha[:16]}-3.npz", **{f"r{i}": np.array(x) for i, x in enumerate(ids)})
+    recs = [
+        {"index": 0, "status": "ok", "prompt_tokens": 100, "cached_tokens": 0,
+         "t_start": 0.0, "t_end": 1.0},
+        {"index": 1, "status": "ok", "prompt_tokens": 120, "cached_tokens": 64,
+         "t_start": 1.0, "t_end": 2.0},
+    ]  # fmt: skip  (request 2 not reached)
+    log = tmp_path / "r.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "o.json"
+    assert replay_partial.main(["--records", str(log), "--dataset", str(dataset),
+                                "--token-cache", str(cache), "--out", str(out)]) == 0  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["n_done"] == 2 and res["success"] == 1.0 and res["wall_s"] == 2.0
+    assert res["ideal_tokens"] == 80  # request 1 shares its first 80 tokens with request 0
+    assert res["cached_tokens"] == 64 and res["efficiency"] == 64 / 80
+    assert res["hit"] == 64 / 220
