@@ -34,6 +34,7 @@ logger = logging.getLogger("vllm.overrides.engine_watchdog")
 
 EXIT_CODE = 3  # distinct from 1 (Python error) and 2 (usage), so a supervisor log says why
 _state: dict[str, Any] = {"dead_since": None, "apps": []}
+_clients: dict[int, Any] = {}  # id(app) -> the engine client last seen on app.state
 _lock = threading.Lock()
 
 
@@ -49,7 +50,14 @@ def _engine_dead(app: Any) -> bool:
     runs until the engine dies or fails - then it logs "AsyncLLM output_handler failed" and
     returns - or until ``AsyncLLM.shutdown`` (SIGTERM/SIGINT) cancels it.
     """
-    client = getattr(app.state, "engine_client", None)
+    state = getattr(app, "state", None)
+    client = getattr(state, "engine_client", None)
+    if client is not None:
+        _clients[id(app)] = client
+    else:
+        # vLLM's shutdown can drop ``app.state`` before the exit hook looks: use the client
+        # seen while the server ran (found when a replay's server was stopped with SIGTERM).
+        client = _clients.get(id(app))
     handler = getattr(client, "output_handler", None)
     if handler is None:  # before init_app_state, a render-only server, or not an AsyncLLM
         return False
