@@ -204,6 +204,18 @@ def check_roles(body: dict[str, Any]) -> None:
             )
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_integer_range(body: dict[str, Any]) -> None:
+    """A top-level integer beyond 64 bits is a 400 naming the field: vLLM carries request
+    integers as 64-bit values, and one that does not fit (the fuzz suite's
+    ``"thinking_token_budget": 18446744073709551616`` on /v1/completions) ended in a 500."""
+    for name, value in body.items():
+        if _is_int(value) and not INT64_MIN <= value <= INT64_MAX:
+            raise CompatError(f"'{name}' is out of the 64-bit integer range", name)
+
+
 def check_sampling(body: dict[str, Any]) -> None:
     top_p = body.get("top_p")
     if top_p is not None and not isinstance(top_p, bool) and isinstance(top_p, int | float):
@@ -215,6 +227,7 @@ def normalize_chat_request(body: Any, limits: ServerLimits) -> Any:
     """Rewrite/validate a /v1/chat/completions body in place; return it."""
     if not isinstance(body, dict):
         return body  # vLLM's own validation answers 400 for these
+    check_integer_range(body)
     check_roles(body)
     normalize_thinking(body)
     forced_tool_choice_without_thinking(body)
@@ -228,6 +241,7 @@ def normalize_completion_request(body: Any, limits: ServerLimits) -> Any:
     """Rewrite/validate a /v1/completions body in place; return it."""
     if not isinstance(body, dict):
         return body
+    check_integer_range(body)
     check_sampling(body)
     normalize_output_budget(body, limits, chat=False)
     return body

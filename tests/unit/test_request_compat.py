@@ -133,3 +133,16 @@ def test_unknown_role_is_rejected_known_roles_pass() -> None:
     roles = ["system", "developer", "user", "assistant", "tool", "function"]
     body = {"messages": [{"role": r, "content": "x"} for r in roles]}
     assert normalize_chat_request(body, LIMITS)["messages"][0]["role"] == "system"
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64, -(2**63) - 1, 10**30])
+@pytest.mark.parametrize("name", ["thinking_token_budget", "seed", "n"])
+def test_integers_beyond_64_bits_are_a_400_naming_the_field(name: str, value: int) -> None:
+    """The fuzz suite found ``"thinking_token_budget": 2**64`` answered 500 on /v1/completions."""
+    for normalize, body in ((normalize_completion_request, {"prompt": "0"}),
+                            (normalize_chat_request, {"messages": [dict(m) for m in USER]})):
+        with pytest.raises(CompatError) as err:
+            normalize({**body, name: value}, LIMITS)
+        assert err.value.param == name and err.value.status == 400
+    # the range's own ends reach vLLM (which answers for them itself)
+    assert normalize_completion_request({"prompt": "0", name: 2**63 - 1}, LIMITS)[name] == 2**63 - 1
