@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 logger = logging.getLogger("vllm.vllm_overrides.kv_offload_fit")  # under vLLM's handlers
 
 GIB = 1 << 30
@@ -46,18 +48,8 @@ class HostFacts:
     cuda_like: bool
     has_copy_op: bool
     shm_free: int | None  # bytes; None: no /dev/shm (vLLM then skips its own check)
-    mem_available: int | None  # bytes, /proc/meminfo
+    mem_available: int | None  # bytes, the kernel's MemAvailable (psutil)
     cgroup_free: int | None  # bytes, limit - usage; None: no limit
-
-
-def _meminfo_available(path: Path = Path("/proc/meminfo")) -> int | None:
-    try:
-        for line in path.read_text(encoding="ascii").splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _cgroup_free(root: Path = Path("/sys/fs/cgroup")) -> int | None:
@@ -95,7 +87,8 @@ def host_facts() -> HostFacts:
         except Exception:  # noqa: BLE001
             has_copy_op = False
     shm_free = shutil.disk_usage(SHM_PATH).free if os.path.isdir(SHM_PATH) else None
-    return HostFacts(cuda_like, has_copy_op, shm_free, _meminfo_available(), _cgroup_free())
+    mem_available = psutil.virtual_memory().available  # the kernel's MemAvailable
+    return HostFacts(cuda_like, has_copy_op, shm_free, mem_available, _cgroup_free())
 
 
 def fit(
