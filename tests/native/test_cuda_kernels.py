@@ -475,6 +475,26 @@ def test_moe_decode_small_model_shapes(kdev: str) -> None:
     assert rel_err(out.cpu(), ref) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kdev,T", cases([1, 3], [2]), indirect=["kdev"])
+def test_moe_decode_wide_experts_narrow_shared(kdev: str, dtype: torch.dtype, T: int) -> None:
+    """An expert width that takes the down kernel's lanes several passes (TP1's 512 is one such
+    width), a shared expert narrower than the routed ones, and more pairs (8 + shared) than
+    the down kernel keeps in flight at once."""
+    E, H, I, Is, k = 16, 256, 192, 64, 8  # noqa: E741
+    w13, w2 = _moe_weights(E, H, I, dtype, kdev)
+    x = torch.randn(T, H, device=kdev).to(dtype)
+    w, ids = moe.route(torch.randn(T, E, device=kdev), k, True)
+    sw13, sw2 = _moe_weights(1, H, Is, dtype, kdev)
+    sh = (sw13[0], sw2[0], (torch.randn(1, H, device=kdev) * H**-0.5).to(dtype))
+    kernels.FUSED_USED.discard("moe_decode_with_shared")
+    r = _both(kernels.moe_decode, x, w, ids, w13, w2, sh)
+    assert "moe_decode_with_shared" in kernels.FUSED_USED  # the kernel ran, not its fallback
+    ref = mref.moe_experts_reference(x.cpu(), w.cpu(), ids.cpu(), w13.cpu(), w2.cpu())
+    ref = ref + mref.shared_expert_reference(x.cpu(), *(t.cpu() for t in sh))
+    _check(r["cuda"][0].cpu(), r["torch"][0].cpu(), ref, dtype)
+
+
 # ------------------------------------------------------------------------------------------
 # Gated attention: q/k norm + RoPE + gate
 # ------------------------------------------------------------------------------------------

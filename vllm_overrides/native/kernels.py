@@ -597,11 +597,18 @@ def _moe_decode_fits(
         and x.shape[1] % vec == 0
     ):
         return False
-    weights = [w13, w2] + ([t for t in shared if t is not None] if shared else [])
-    # A layer's weights are checked once (the per-token call pays only for x).
-    key = (x.dtype, *((t.data_ptr(), t.shape) for t in weights))
+    # A layer's weights are checked once (the per-token call pays only for x), keyed by their
+    # addresses: shapes would cost eager decode ~2 us a layer to key on, and a stale entry
+    # (another tensor at a freed address) can only make the op's own checks raise.
+    key = (
+        x.dtype,
+        w13.data_ptr(),
+        w2.data_ptr(),
+        None if shared is None else tuple(t.data_ptr() for t in shared if t is not None),
+    )
     ok = _weights_fit.get(key)
     if ok is None:
+        weights = [w13, w2] + ([t for t in shared if t is not None] if shared else [])
         ok = (
             all(t.dtype == x.dtype and t.is_contiguous() for t in weights)
             and all(t.data_ptr() % 16 == 0 for t in weights)
