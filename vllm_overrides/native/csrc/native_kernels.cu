@@ -534,10 +534,6 @@ __global__ void moe_up_kernel(const T* __restrict__ x, int H, int64_t* __restric
 }
 
 constexpr int kRowsDown = 16;  // output rows of H per block in kernel 2 (one per lane group)
-// Pairs whose weight vectors a lane loads before it multiplies any of them: with one load
-// then its FMAs per pair, the top-8 pairs' HBM round trips ran one after another (~0.7 us
-// each at T = 1); in flight together they cost about one.
-constexpr int kPairsInFlight = 8;
 
 template <typename T>
 __global__ void moe_down_kernel(const float* __restrict__ act, int act_stride,
@@ -546,12 +542,9 @@ __global__ void moe_down_kernel(const float* __restrict__ act, int act_stride,
                                 const T* __restrict__ w2, int I, const T* __restrict__ sh_w2,
                                 int Is, const float* __restrict__ sh_sig, int H,
                                 T* __restrict__ out) {
-  // npairs offsets of each pair's w2 matrix, then npairs * act_stride weighted activations.
-  VO_DYN_SMEM(int64_t, w_off);
+  VO_DYN_SMEM(float, a_s);  // (top_k + shared) * act_stride, weight folded in
   const int t = blockIdx.y;
   const int npairs = top_k + (sh_w2 != nullptr ? 1 : 0);
-  float* a_s = reinterpret_cast<float*>(w_off + npairs);
-  if (threadIdx.x < top_k) w_off[threadIdx.x] = ids[t * top_k + threadIdx.x] * (int64_t)H * I;
   for (int idx = threadIdx.x; idx < npairs * act_stride; idx += blockDim.x) {
     const int j = idx / act_stride, i = idx % act_stride;
     float wgt, val;
@@ -570,25 +563,16 @@ __global__ void moe_down_kernel(const float* __restrict__ act, int act_stride,
   for (int r = blockIdx.x * kRowsDown + threadIdx.x / kGdnGroup;
        r < std::min(H, (int)(blockIdx.x + 1) * kRowsDown); r += groups) {
     float acc = 0.f;
-    for (int c = lane * N; c < act_stride; c += kGdnGroup * N) {
-      for (int j0 = 0; j0 < npairs; j0 += kPairsInFlight) {
-        Vec<T> wv[kPairsInFlight];
+    for (int j = 0; j < npairs; ++j) {
+      const bool sh = j >= top_k;
+      const int n = sh ? Is : I;
+      const T* wr = sh ? sh_w2 + (int64_t)r * Is : w2 + (ids[t * top_k + j] * (int64_t)H + r) * I;
+      const float* aj = a_s + j * act_stride;
+      for (int c = lane * N; c < n; c += kGdnGroup * N) {
+        Vec<T> wv;
+        wv.load(wr + c);
 #pragma unroll
-        for (int u = 0; u < kPairsInFlight; ++u) {
-          const int j = j0 + u;
-          const bool sh = j >= top_k;
-          if (j < npairs && c < (sh ? Is : I))
-            wv[u].load(sh ? sh_w2 + (int64_t)r * Is + c : w2 + w_off[j] + (int64_t)r * I + c);
-        }
-#pragma unroll
-        for (int u = 0; u < kPairsInFlight; ++u) {
-          const int j = j0 + u;
-          if (j < npairs && c < (j >= top_k ? Is : I)) {
-            const float* aj = a_s + j * act_stride + c;
-#pragma unroll
-            for (int e = 0; e < N; ++e) acc += wv[u].f[e] * aj[e];
-          }
-        }
+        for (int u = 0; u < N; ++u) acc += wv.f[u] * aj[c + u];
       }
     }
     acc = group_sum(acc, kGdnGroup);
@@ -931,8 +915,7 @@ at::Tensor moe_decode_impl(const at::Tensor& x, at::Tensor tw, at::Tensor ids,
         logits.has_value() ? logits->data_ptr<T_>() : nullptr,
         logits.has_value() ? logits->stride(0) : 0, E, renormalize, tw.data_ptr<float>());
     dim3 g2((H + kRowsDown - 1) / kRowsDown, T);
-    const int npairs = k + (has_sh ? 1 : 0);
-    const size_t smem = npairs * (sizeof(int64_t) + act_stride * sizeof(float));
+    const size_t smem = (k + (has_sh ? 1 : 0)) * act_stride * sizeof(float);
     VO_LAUNCH(moe_down_kernel<T_>, g2, kBlock, smem,
         act, act_stride, tw.data_ptr<float>(), ids.data_ptr<int64_t>(), T, k,
         w2.data_ptr<T_>(), I, has_sh ? sh_w2->data_ptr<T_>() : nullptr, Is,
