@@ -1089,8 +1089,7 @@ def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any]) -> dict[str,
     best-measured variant: per-token cost ``a`` and attention cost ``b`` per causal pair fitted
     to ``t(T) = a T + b T^2 / 2`` (least squares; ``b >= 0``); a request with ``C`` cached and
     ``N`` new tokens takes ``a N + b (N C + N^2 / 2)``."""
-    import numpy as np
-    from perf_metrics import percentile
+    from perf_metrics import fit_prefill_cost, percentile, prefill_seconds
 
     fresh = [r for r in rows if r.get("mode") == "fresh" and "ms" in r and "target" in r]
     by_v: dict[str, list[dict[str, Any]]] = {}
@@ -1113,18 +1112,13 @@ def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any]) -> dict[str,
     out["lengths_source"] = lens["source"]
     qs = (50, 90, 99, 100)
     for where, key in (("measured", None), ("target", "target")):
-        T = np.array([r["tokens"] for r in pts], dtype=float)
-        t = np.array([(r[key]["ms"] if key else r["ms"]) / 1e3 for r in pts])
-        a, b = float(np.sum(t * T) / np.sum(T * T)), 0.0
-        if len(pts) >= 2:
-            A = np.stack([T, T * T / 2], 1)
-            (a2, b2), *_ = np.linalg.lstsq(A, t, rcond=None)
-            if b2 >= 0 and a2 >= 0:
-                a, b = float(a2), float(b2)
+        T = [r["tokens"] for r in pts]
+        t = [(r[key]["ms"] if key else r["ms"]) / 1e3 for r in pts]
+        a, b = fit_prefill_cost(T, [0] * len(T), t)
         out["model"][where] = {"a_s_per_token": a, "b_s_per_pair": b}
 
         def ttft(n: float, c: float, a: float = a, b: float = b) -> float:
-            return a * n + b * (n * c + n * n / 2)
+            return prefill_seconds(a, b, n, c)
 
         if "prompt" in lens:
             P, Cc = lens["prompt"], lens["cached"]

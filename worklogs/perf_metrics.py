@@ -134,6 +134,24 @@ def cache_efficiency(records: Sequence[Record]) -> dict[str, Any]:
     }
 
 
+def fit_prefill_cost(new: Any, cached: Any, seconds: Any) -> tuple[float, float]:
+    """``a`` (s per new token) and ``b`` (s per causal attention pair) of the prefill cost
+    ``t = a N + b (N C + N^2 / 2)`` for ``N`` new tokens after ``C`` cached ones, by least
+    squares; where that gives a negative term, ``b = 0`` and ``a`` alone (a line through 0)."""
+    n, c, t = (np.asarray(v, dtype=float) for v in (new, cached, seconds))
+    a, b = float(np.sum(t * n) / np.sum(n * n)), 0.0
+    if n.size >= 2:
+        (a2, b2), *_ = np.linalg.lstsq(np.stack([n, n * c + n * n / 2], 1), t, rcond=None)
+        if a2 >= 0 and b2 >= 0:
+            a, b = float(a2), float(b2)
+    return a, b
+
+
+def prefill_seconds(a: float, b: float, new: Any, cached: Any) -> Any:
+    """The cost model of :func:`fit_prefill_cost` (floats or numpy arrays)."""
+    return a * new + b * (new * cached + new * new / 2)
+
+
 def weighted_score(output_tps: float, input_tps: float, cache_tps: float) -> float:
     return output_tps * W_OUTPUT + input_tps * W_INPUT + cache_tps * W_CACHE
 

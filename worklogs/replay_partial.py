@@ -11,6 +11,12 @@ earlier request of the dataset, with the token ids rendered as ``cache_sim.py`` 
 (chat template + the real tokenizer; images as their text parts only, so the 27 image requests of
 replay881 may differ from the server's ids by their placeholders), capped at the server's
 ``prompt_tokens - 1``. Prints the totals (success, hit, efficiency) and writes them as JSON.
+
+It also projects the whole run's wall time on the same machine: the prefill cost
+``t = a N + b (N C + N^2 / 2)`` (``perf_metrics.fit_prefill_cost``) fitted to the records' TTFTs
+(``N`` new and ``C`` cached tokens), plus their mean time after the first token, applied to every
+request of the dataset with ``C`` = its ideal times the efficiency reached so far (``projection``;
+checked against the records' own measured time).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -36,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     recs = [json.loads(ln) for ln in args.records.read_text(encoding="utf-8").splitlines() if ln]
     reqs, sha = cache_sim.render_dataset(args.dataset, None, args.token_cache)
-    last = max(r["index"] for r in recs)
-    ideal = pm.ideal_prefix_tokens([r["ids"] for r in reqs[: last + 1]])
+    ideal = pm.ideal_prefix_tokens([r["ids"] for r in reqs])
     for r in recs:
         if r.get("prompt_tokens"):
             r["ideal_tokens"] = min(int(ideal[r["index"]]), int(r["prompt_tokens"]) - 1)
@@ -53,15 +60,52 @@ def main(argv: list[str] | None = None) -> int:
         "statuses": {s: sum(r["status"] == s for r in recs) for s in {r["status"] for r in recs}},
         "wall_s": span,
         **{k: v for k, v in eff.items() if k != "n"},
+        "projection": projection(recs, [len(r["ids"]) for r in reqs], ideal, eff["efficiency"]),
     }
     print(f"{len(recs)} of {len(reqs)} requests in {span / 60:.1f} min: success "
           f"{pm.pct(out['success'])}, hit {pm.pct(eff['hit'])}, ideal hit "
           f"{pm.pct(eff['ideal_hit'])}, efficiency {pm.pct(eff['efficiency'])} "
           f"({eff['cached_tokens']:,} / {eff['ideal_tokens']:,}); requests below 95 % of their "
           f"ideal: {eff['efficiency_per_request']['n_below_95pct']}")  # fmt: skip
+    if pj := out["projection"]:
+        print(f"projected wall time of all {len(reqs)}: {pj['all_s'] / 3600:.2f} h "
+              f"({pj['rest_s'] / 3600:.2f} h after the last record; the model gives "
+              f"{pj['done_model_s'] / 60:.1f} min for the {len(recs)} done, measured "
+              f"{pj['done_measured_s'] / 60:.1f})")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
     return 0
+
+
+def projection(
+    recs: list[dict], prompt_lens: list[int], ideal: list[int], efficiency: float
+) -> dict[str, float] | None:
+    """Whole-run wall time from the records' cost model (see the module's docstring); None
+    without a successful record."""
+    ok = [r for r in recs if r["status"] == "ok" and r.get("t_first_token") is not None]
+    if not ok:
+        return None
+    new = [r["prompt_tokens"] - r["cached_tokens"] for r in ok]
+    cached = [r["cached_tokens"] for r in ok]
+    a, b = pm.fit_prefill_cost(new, cached, [r["t_first_token"] - r["t_start"] for r in ok])
+    tail = float(np.mean([r["t_end"] - r["t_first_token"] for r in ok]))
+    done_model = sum(
+        pm.prefill_seconds(a, b, n, c) + tail for n, c in zip(new, cached, strict=True)
+    )
+    per_req = []
+    for p, i in zip(prompt_lens, ideal, strict=True):
+        c = min(i * efficiency, p - 1)
+        per_req.append(pm.prefill_seconds(a, b, p - c, c) + tail)
+    last = max(r["index"] for r in recs)
+    return {
+        "a_s_per_token": a,
+        "b_s_per_pair": b,
+        "after_first_token_s": tail,
+        "done_measured_s": sum(r["t_end"] - r["t_start"] for r in ok),
+        "done_model_s": done_model,
+        "all_s": float(sum(per_req)),
+        "rest_s": float(sum(per_req[last + 1 :])),
+    }
 
 
 if __name__ == "__main__":

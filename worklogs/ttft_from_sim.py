@@ -31,15 +31,13 @@ QS = (50, 90, 99)
 
 
 def fit(cases: list[dict], variant: str) -> tuple[float, float]:
-    """Least squares over the variant's rows: fresh ones have C = 0, resumed ones C = N."""
+    """The cost model over the variant's rows: fresh ones have C = 0, resumed ones C = N."""
     rows = [r for r in cases if r.get("variant") == variant and "target" in r]
     if not rows:
         raise SystemExit(f"no rows of variant {variant!r} with target figures")
-    n = np.array([r["tokens"] for r in rows], dtype=float)
-    c = np.array([r["tokens"] if r.get("mode") == "resume" else 0 for r in rows], dtype=float)
-    t = np.array([r["target"]["ms"] / 1e3 for r in rows])
-    (a, b), *_ = np.linalg.lstsq(np.stack([n, n * c + n * n / 2], 1), t, rcond=None)
-    return float(a), max(float(b), 0.0)
+    n = [r["tokens"] for r in rows]
+    c = [r["tokens"] if r.get("mode") == "resume" else 0 for r in rows]
+    return pm.fit_prefill_cost(n, c, [r["target"]["ms"] / 1e3 for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         p = np.array([r["prompt_tokens"] for r in recs], dtype=float)
         c = np.array([r["cached_tokens"] for r in recs], dtype=float)
         n = p - c
-        warm = a * n + b * (n * c + n * n / 2)
-        cold = a * p + b * p * p / 2
+        warm = pm.prefill_seconds(a, b, n, c)
+        cold = pm.prefill_seconds(a, b, p, 0.0)
         runs.append({
             "config": run["config"],
             "hit": run["hit"],

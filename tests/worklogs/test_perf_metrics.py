@@ -193,3 +193,14 @@ def test_cache_efficiency() -> None:
     assert e["efficiency_per_request"]["n"] == 2
     assert e["efficiency_per_request"]["n_below_95pct"] == 1
     assert e["efficiency_per_request"]["p50"] == pytest.approx(0.95)
+
+
+def test_prefill_cost_fit_recovers_the_model_and_falls_back_without_attention() -> None:
+    a, b = 3e-4, 5e-8
+    new, cached = [1000, 5000, 20000, 8000], [0, 0, 10000, 40000]
+    t = [pm.prefill_seconds(a, b, n, c) for n, c in zip(new, cached, strict=True)]
+    fa, fb = pm.fit_prefill_cost(new, cached, t)
+    assert fa == pytest.approx(a, rel=1e-9) and fb == pytest.approx(b, rel=1e-9)
+    # Times that fall with length would need b < 0: a line through 0 instead.
+    fa, fb = pm.fit_prefill_cost([1000, 2000], [0, 0], [1.0, 1.5])
+    assert fb == 0.0 and fa == pytest.approx((1000 * 1.0 + 2000 * 1.5) / (1000**2 + 2000**2))

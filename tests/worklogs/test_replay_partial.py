@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "worklogs"))
 
@@ -26,9 +27,9 @@ def test_partial_log_gives_ideal_hit_and_efficiency(tmp_path: Path) -> None:
     np.savez(cache / f"{sha[:16]}-3.npz", **{f"r{i}": np.array(x) for i, x in enumerate(ids)})
     recs = [
         {"index": 0, "status": "ok", "prompt_tokens": 100, "cached_tokens": 0,
-         "t_start": 0.0, "t_end": 1.0},
+         "t_start": 0.0, "t_first_token": 0.75, "t_end": 1.0},
         {"index": 1, "status": "ok", "prompt_tokens": 120, "cached_tokens": 64,
-         "t_start": 1.0, "t_end": 2.0},
+         "t_start": 1.0, "t_first_token": 1.75, "t_end": 2.0},
     ]  # fmt: skip  (request 2 not reached)
     log = tmp_path / "r.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -40,3 +41,16 @@ def test_partial_log_gives_ideal_hit_and_efficiency(tmp_path: Path) -> None:
     assert res["ideal_tokens"] == 80  # request 1 shares its first 80 tokens with request 0
     assert res["cached_tokens"] == 64 and res["efficiency"] == 64 / 80
     assert res["hit"] == 64 / 220
+    # Projection: the cost model fitted to the two TTFTs plus the 0.25 s after the first token
+    # gives the done requests' measured 2 s back; every request of the dataset is then priced
+    # at its ideal times the efficiency (0.8): request 2 (130 tokens, ideal 100 -> 80 cached).
+    pj = res["projection"]
+    assert pj["after_first_token_s"] == 0.25 and pj["done_model_s"] == pytest.approx(2.0)
+    a, b = pj["a_s_per_token"], pj["b_s_per_pair"]
+    assert b > 0 and a * 100 + b * 100 * 100 / 2 == pytest.approx(0.75)
+
+    def cost(p: int, c: float) -> float:
+        return a * (p - c) + b * ((p - c) * c + (p - c) ** 2 / 2) + 0.25
+
+    assert pj["rest_s"] == pytest.approx(cost(130, 80))
+    assert pj["all_s"] == pytest.approx(cost(100, 0) + cost(120, 64) + cost(130, 80))
