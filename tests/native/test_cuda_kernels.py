@@ -397,6 +397,27 @@ def test_moe_route_ties_and_weights(
     assert rel_err(w_c.cpu(), w_ref) <= 1e-6
 
 
+@pytest.mark.parametrize("E", [8, 256, 320])
+@pytest.mark.parametrize(
+    "kdev", [pytest.param("emu64", marks=emu), pytest.param("cuda", marks=gpu)], indirect=True
+)
+def test_moe_route_expert_counts_and_minus_inf(kdev: str, E: int) -> None:
+    """Fewer experts than a lane group holds (8), the register-resident logits (256) and the
+    shared-memory rounds beyond them (320); rows with fewer finite logits than top-k, so -inf
+    ties are picked by expert index."""
+    T, k = 4, 8
+    logits = torch.randn(T, E, device=kdev)
+    logits[1, : E - 3] = -torch.inf  # 3 finite logits, then the lowest -inf indices
+    logits[2] = torch.randint(-2, 3, (E,), device=kdev).float()  # exact ties
+    logits[3, ::2] = -torch.inf
+    for renormalize in (True, False):
+        r = _both(kernels.moe_route, logits, k, renormalize)
+        (w_c, id_c), (w_t, id_t) = r["cuda"][0], r["torch"][0]
+        w_ref, id_ref = mref.route_reference(logits.cpu(), k, renormalize)
+        assert torch.equal(id_c.cpu(), id_ref) and torch.equal(id_t.cpu(), id_ref)
+        assert rel_err(w_c.cpu(), w_ref) <= 1e-6 and rel_err(w_t.cpu(), w_ref) <= 1e-6
+
+
 def _moe_weights(E: int, H: int, I: int, dtype: torch.dtype, dev: str = "cuda") -> tuple:  # noqa: E741
     w13 = (torch.randn(E, 2 * I, H, device=dev) * H**-0.5).to(dtype)
     w2 = (torch.randn(E, H, I, device=dev) * I**-0.5).to(dtype)

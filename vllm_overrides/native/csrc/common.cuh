@@ -104,41 +104,84 @@ __device__ __forceinline__ void block_sum(float (&v)[N], float* red) {
 // MoE routing of one token by a group of kRouteLanes consecutive lanes (a width that divides
 // every warp size), over its E logits in `row` (NaN already replaced by -inf, so the ranks stay
 // a permutation): top_k rounds of a group arg-max -- larger logit, then the lower expert index,
-// upstream's order -- each lane scanning every kRouteLanes-th logit. O(top_k * E) work per
-// token. Every lane of the group must call it (shuffles). Lane j < top_k gets pair j: its
-// weight (softmax over the selected logits when `renormalize`, else over all E) and expert.
+// upstream's order. Every lane of the group must call it (shuffles). Lane j < top_k gets pair
+// j: its weight (softmax over the selected logits when `renormalize`, else over all E) and
+// expert. Each lane owns the logits e = lane + i * kRouteLanes; up to kRouteRegs of them
+// (E <= 256, Qwen3.5/3.6's 256 experts) stay in registers for all rounds, with the picked ones
+// marked NaN (no comparison selects a NaN); a larger E re-reads `row` every round, as every E
+// did before (H200: the rounds' shared-memory re-reads were most of the routing's latency).
 constexpr int kRouteLanes = 16;
+constexpr int kRouteRegs = 16;
+
+// The group arg-max of one round: (bv, be) in, the group's best out, ties to the lower index.
+__device__ __forceinline__ void group_argmax(float& bv, int& be) {
+  for (int o = kRouteLanes / 2; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(__activemask(), bv, o, kRouteLanes);
+    const int oe = __shfl_xor_sync(__activemask(), be, o, kRouteLanes);
+    if (ov > bv || (ov == bv && oe < be)) {
+      bv = ov;
+      be = oe;
+    }
+  }
+}
 
 __device__ __forceinline__ void group_topk(const float* __restrict__ row, int E, int top_k,
                                            bool renormalize, int lane, float& w_out,
                                            int& e_out) {
-  unsigned long long taken = 0;  // bit i: this lane's i-th logit (e = lane + i * lanes) chosen
   float mx = 0.f, denom = 0.f, my_v = 0.f;
   int my_e = 0;
-  for (int j = 0; j < top_k; ++j) {
-    float bv = -INFINITY;
-    int be = 0x7fffffff;
-    for (int e = lane, i = 0; e < E; e += kRouteLanes, ++i) {
-      const float v = row[e];
-      if (!((taken >> i) & 1ull) && (v > bv || (v == bv && e < be))) {
-        bv = v;
-        be = e;
+  if (E <= kRouteRegs * kRouteLanes) {
+    float v[kRouteRegs];
+#pragma unroll
+    for (int i = 0; i < kRouteRegs; ++i) {
+      const int e = lane + i * kRouteLanes;
+      v[i] = e < E ? row[e] : NAN;  // padding is never picked
+    }
+    for (int j = 0; j < top_k; ++j) {
+      float bv = -INFINITY;
+      int bi = -1;
+      // Ascending i is ascending e: the first of equal values wins; a -inf logit still beats
+      // having none.
+#pragma unroll
+      for (int i = 0; i < kRouteRegs; ++i)
+        if (v[i] > bv || (bi < 0 && v[i] == bv)) {
+          bv = v[i];
+          bi = i;
+        }
+      int be = bi < 0 ? 0x7fffffff : lane + bi * kRouteLanes;
+      group_argmax(bv, be);
+      if (be % kRouteLanes == lane) {
+#pragma unroll
+        for (int i = 0; i < kRouteRegs; ++i)
+          if (i == be / kRouteLanes) v[i] = NAN;  // unrolled: v stays in registers
+      }
+      if (j == 0) mx = bv;
+      if (renormalize) denom += expf(bv - mx);
+      if (lane == j) {
+        my_v = bv;
+        my_e = be;
       }
     }
-    for (int o = kRouteLanes / 2; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(__activemask(), bv, o, kRouteLanes);
-      const int oe = __shfl_xor_sync(__activemask(), be, o, kRouteLanes);
-      if (ov > bv || (ov == bv && oe < be)) {
-        bv = ov;
-        be = oe;
+  } else {
+    unsigned long long taken = 0;  // bit i: this lane's i-th logit chosen
+    for (int j = 0; j < top_k; ++j) {
+      float bv = -INFINITY;
+      int be = 0x7fffffff;
+      for (int e = lane, i = 0; e < E; e += kRouteLanes, ++i) {
+        const float v = row[e];
+        if (!((taken >> i) & 1ull) && (v > bv || (v == bv && e < be))) {
+          bv = v;
+          be = e;
+        }
       }
-    }
-    if (be % kRouteLanes == lane) taken |= 1ull << (be / kRouteLanes);
-    if (j == 0) mx = bv;
-    if (renormalize) denom += expf(bv - mx);
-    if (lane == j) {
-      my_v = bv;
-      my_e = be;
+      group_argmax(bv, be);
+      if (be % kRouteLanes == lane) taken |= 1ull << (be / kRouteLanes);
+      if (j == 0) mx = bv;
+      if (renormalize) denom += expf(bv - mx);
+      if (lane == j) {
+        my_v = bv;
+        my_e = be;
+      }
     }
   }
   if (!renormalize) {  // the full softmax's denominator
