@@ -58,6 +58,7 @@ both against the float64 references.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Sequence
@@ -74,6 +75,10 @@ logger = logging.getLogger("vllm.vllm_overrides.native")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [*sorted(CSRC.glob("*.cu")), CSRC / "module.cpp"]
 EXT_NAME = "vo_native_kernels"
+# JIT builds are named per checkout: torch keeps one build directory per name, and two checkouts
+# (a clean-clone CI beside a working tree) rebuilding one directory in turn can load each
+# other's library -- a test then passes on sources it never built.
+_CHECKOUT_TAG = hashlib.sha1(str(CSRC).encode()).hexdigest()[:8]
 BACKENDS = ("auto", "cuda", "torch", "emulate")
 
 _mode = os.environ.get("NATIVE_KERNELS", "auto").strip().lower() or "auto"
@@ -115,7 +120,7 @@ def jit_build(verbose: bool = False) -> None:
     from torch.utils.cpp_extension import load
 
     load(
-        name=EXT_NAME,
+        name=f"{EXT_NAME}_{_CHECKOUT_TAG}",
         sources=[str(s) for s in SOURCES],
         extra_cuda_cflags=["-O3"],
         extra_cflags=["-O3"],
@@ -137,7 +142,7 @@ def enable_cpu_emulation(warp_size: int = 64) -> None:
         from torch.utils.cpp_extension import load
 
         load(
-            name="vo_native_kernels_cpu_emulation",
+            name=f"vo_native_kernels_cpu_emulation_{_CHECKOUT_TAG}",
             sources=[str(CSRC / "cpu_emulation.cpp")],
             extra_cflags=["-O1", "-fno-strict-aliasing", "-Wno-unknown-pragmas"],
             extra_include_paths=[str(CSRC)],
