@@ -10,7 +10,8 @@
    ``build/replay/server.log``;
 3. replays the dataset with ``formal_perf_bench.py`` at the YAML's concurrency, short outputs
    (``--max-tokens``), per-request ideal / cached / efficiency (``/tokenize``);
-4. samples the server's resident memory (the whole process tree) every 5 s, checks
+4. samples the server's resident memory (the whole process tree) every 5 s (each sample also
+   appended to ``<out>.memory.jsonl`` as it is taken, like the bench's record log), checks
    ``/health`` afterwards and that the log holds no engine traceback, and adds both to the
    result JSON (``memory``, ``engine``);
 5. stops the server.
@@ -48,12 +49,14 @@ from vllm_overrides.launcher import DEFAULT_CONFIG, load_run_config  # noqa: E40
 
 
 class MemorySampler(threading.Thread):
-    """RSS of a process and its children, every ``every`` seconds."""
+    """RSS of a process and its children, every ``every`` seconds; with ``log``, each sample is
+    also appended to that JSONL file as it is taken (a run cut short keeps its series)."""
 
-    def __init__(self, pid: int, every: float = 5.0) -> None:
+    def __init__(self, pid: int, every: float = 5.0, log: Path | None = None) -> None:
         super().__init__(daemon=True)
         self.proc = psutil.Process(pid)
         self.every = every
+        self.log = log
         self.samples: list[tuple[float, int]] = []
         self.by_process: list[tuple[float, dict[str, int]]] = []  # RSS by process title
         self.stop_event = threading.Event()
@@ -80,6 +83,9 @@ class MemorySampler(threading.Thread):
                 break
             self.samples.append((t, total))
             self.by_process.append((t, parts))
+            if self.log is not None:
+                with open(self.log, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"t_s": t, "rss": total, "by_process": parts}) + "\n")
             self.stop_event.wait(self.every)
 
     def per_pass(self, spans: list[tuple[float, float]]) -> list[dict[str, float]]:
@@ -102,20 +108,24 @@ class MemorySampler(threading.Thread):
         return rows
 
     def summary(self, replay_start: float) -> dict[str, object]:
-        during = [(t, m) for t, m in self.samples if t >= replay_start]
-        if not during:
-            return {"n": 0}
-        mib = np.array([m for _, m in during], dtype=np.float64) / 2**20
-        n = len(mib)
-        q = max(1, n // 10)
-        first, last = float(np.median(mib[:q])), float(np.median(mib[-q:]))
-        return {
-            "n": n, "every_s": self.every, "start_mib": round(first, 1),
-            "end_mib": round(last, 1), "max_mib": round(float(mib.max()), 1),
-            "growth_mib": round(last - first, 1),
-            "growth_pct": round(100 * (last - first) / first, 2) if first else None,
-            "samples": during,
-        }  # fmt: skip
+        return memory_summary([(t, m) for t, m in self.samples if t >= replay_start], self.every)
+
+
+def memory_summary(samples: list[tuple[float, int]], every: float) -> dict[str, object]:
+    """Start, end (medians of the first and last tenth), max and growth of an RSS series."""
+    if not samples:
+        return {"n": 0}
+    mib = np.array([m for _, m in samples], dtype=np.float64) / 2**20
+    n = len(mib)
+    q = max(1, n // 10)
+    first, last = float(np.median(mib[:q])), float(np.median(mib[-q:]))
+    return {
+        "n": n, "every_s": every, "start_mib": round(first, 1),
+        "end_mib": round(last, 1), "max_mib": round(float(mib.max()), 1),
+        "growth_mib": round(last - first, 1),
+        "growth_pct": round(100 * (last - first) / first, 2) if first else None,
+        "samples": samples,
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         server = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                   start_new_session=True)  # fmt: skip
     base = f"http://127.0.0.1:{args.port}"
-    sampler = MemorySampler(server.pid)
+    memory_log = out.with_suffix(".memory.jsonl")
+    memory_log.unlink(missing_ok=True)
+    sampler = MemorySampler(server.pid, log=memory_log)
     try:
         t0 = time.perf_counter()
         while True:

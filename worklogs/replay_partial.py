@@ -16,7 +16,8 @@ It also projects the whole run's wall time on the same machine: the prefill cost
 ``t = a N + b (N C + N^2 / 2)`` (``perf_metrics.fit_prefill_cost``) fitted to the records' TTFTs
 (``N`` new and ``C`` cached tokens), plus their mean time after the first token, applied to every
 request of the dataset with ``C`` = its ideal times the efficiency reached so far (``projection``;
-checked against the records' own measured time).
+checked against the records' own measured time). With ``--memory`` (``replay_e2e.py``'s
+``<out>.memory.jsonl``, appended as sampled) it adds the server's RSS start, end and growth.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cache_sim  # noqa: E402
 import perf_metrics as pm  # noqa: E402
+import replay_e2e  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records", type=Path, required=True)
     ap.add_argument("--dataset", type=Path, required=True)
     ap.add_argument("--token-cache", type=Path, default=Path("/tmp/cache_sim_tokens"))
+    ap.add_argument("--memory", type=Path, help="replay_e2e's <out>.memory.jsonl, if kept")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -62,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         **{k: v for k, v in eff.items() if k != "n"},
         "projection": projection(recs, [len(r["ids"]) for r in reqs], ideal, eff["efficiency"]),
     }
+    if args.memory is not None:
+        mem = [json.loads(ln) for ln in args.memory.read_text(encoding="utf-8").splitlines() if ln]
+        ts = [m["t_s"] for m in mem]
+        every = float(np.median(np.diff(ts))) if len(ts) > 1 else 0.0
+        out["memory"] = replay_e2e.memory_summary([(m["t_s"], m["rss"]) for m in mem], every)
+        m = out["memory"]
+        print(f"server RSS {m['start_mib']:,} -> {m['end_mib']:,} MiB ({m['growth_pct']} %), "
+              f"max {m['max_mib']:,}, {m['n']} samples")  # fmt: skip
     print(f"{len(recs)} of {len(reqs)} requests in {span / 60:.1f} min: success "
           f"{pm.pct(out['success'])}, hit {pm.pct(eff['hit'])}, ideal hit "
           f"{pm.pct(eff['ideal_hit'])}, efficiency {pm.pct(eff['efficiency'])} "

@@ -34,13 +34,20 @@ def test_partial_log_gives_ideal_hit_and_efficiency(tmp_path: Path) -> None:
     log = tmp_path / "r.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "o.json"
+    mem = tmp_path / "r.memory.jsonl"  # 20 samples 5 s apart, 100 MiB then 110 MiB
+    mem.write_text("".join(json.dumps({"t_s": 5.0 * i, "rss": (100 + 10 * (i >= 10)) * 2**20,
+                                       "by_process": {}}) + "\n" for i in range(20)))
     assert replay_partial.main(["--records", str(log), "--dataset", str(dataset),
-                                "--token-cache", str(cache), "--out", str(out)]) == 0  # fmt: skip
+                                "--token-cache", str(cache), "--memory", str(mem),
+                                "--out", str(out)]) == 0  # fmt: skip
     res = json.loads(out.read_text())
     assert res["n_done"] == 2 and res["success"] == 1.0 and res["wall_s"] == 2.0
     assert res["ideal_tokens"] == 80  # request 1 shares its first 80 tokens with request 0
     assert res["cached_tokens"] == 64 and res["efficiency"] == 64 / 80
     assert res["hit"] == 64 / 220
+    m = res["memory"]
+    assert (m["n"], m["every_s"], m["start_mib"], m["end_mib"]) == (20, 5.0, 100.0, 110.0)
+    assert m["growth_pct"] == 10.0 and m["max_mib"] == 110.0
     # Projection: the cost model fitted to the two TTFTs plus the 0.25 s after the first token
     # gives the done requests' measured 2 s back; every request of the dataset is then priced
     # at its ideal times the efficiency (0.8): request 2 (130 tokens, ideal 100 -> 80 cached).
