@@ -109,7 +109,7 @@ __device__ __forceinline__ void block_sum(float (&v)[N], float* red) {
 // expert. Each lane owns the logits e = lane + i * kRouteLanes; up to kRouteRegs of them
 // (E <= 256, Qwen3.5/3.6's 256 experts) stay in registers for all rounds, with the picked ones
 // marked NaN (no comparison selects a NaN); a larger E re-reads `row` every round, as every E
-// did before (H200: the rounds' shared-memory re-reads were most of the routing's latency).
+// did before (H200, B = 1 decode step: the routed up kernel 16.3 -> 12.6 us a call).
 constexpr int kRouteLanes = 16;
 constexpr int kRouteRegs = 16;
 
