@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         ts = [m["t_s"] for m in mem]
         every = float(np.median(np.diff(ts))) if len(ts) > 1 else 0.0
         out["memory"] = replay_e2e.memory_summary([(m["t_s"], m["rss"]) for m in mem], every)
-        m = out["memory"]
-        print(f"server RSS {m['start_mib']:,} -> {m['end_mib']:,} MiB ({m['growth_pct']} %), "
-              f"max {m['max_mib']:,}, {m['n']} samples")  # fmt: skip
+        if (m := out["memory"])["n"]:
+            print(f"server RSS {m['start_mib']:,} -> {m['end_mib']:,} MiB ({m['growth_pct']} %), "
+                  f"max {m['max_mib']:,}, {m['n']} samples")  # fmt: skip
     print(f"{len(recs)} of {len(reqs)} requests in {span / 60:.1f} min: success "
           f"{pm.pct(out['success'])}, hit {pm.pct(eff['hit'])}, ideal hit "
           f"{pm.pct(eff['ideal_hit'])}, efficiency {pm.pct(eff['efficiency'])} "
@@ -98,7 +98,7 @@ def projection(
         return None
     new = [r["prompt_tokens"] - r["cached_tokens"] for r in ok]
     cached = [r["cached_tokens"] for r in ok]
-    a, b = pm.fit_prefill_cost(new, cached, [r["t_first_token"] - r["t_start"] for r in ok])
+    a, b = pm.fit_prefill_cost(new, cached, [pm.ttft_s(r) for r in ok])
     tail = float(np.mean([r["t_end"] - r["t_first_token"] for r in ok]))
     done_model = sum(
         pm.prefill_seconds(a, b, n, c) + tail for n, c in zip(new, cached, strict=True)
