@@ -234,9 +234,9 @@ def _padded(t: torch.Tensor, pad: int = 96) -> torch.Tensor:
 
 
 def _gdn_inputs(
-    B: int, dtype: torch.dtype, slots: list[int], n_slots: int, dev: str = "cuda"
+    B: int, dtype: torch.dtype, slots: list[int], n_slots: int, dev: str = "cuda", W: int = 4
 ) -> dict:
-    H, HV, K, V, W = 4, 8, 128, 128, 4
+    H, HV, K, V = 4, 8, 128, 128
     D = 2 * H * K + HV * V
     return {
         "H": H, "HV": HV, "K": K, "V": V, "D": D,
@@ -264,13 +264,14 @@ def _gdn_step(inp: dict, conv_sd: torch.Tensor, ssm: torch.Tensor, qkv, a, b, dt
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kdev,B", cases([1, 3, 64, 256], [3, 1]), indirect=["kdev"])
-def test_gdn_decode_vs_reference_and_torch(kdev: str, dtype: torch.dtype, B: int) -> None:
+@pytest.mark.parametrize("W", [4, 2])  # the model's conv width (its own code path) and another
+def test_gdn_decode_vs_reference_and_torch(kdev: str, dtype: torch.dtype, B: int, W: int) -> None:
     n_slots = B + 8
     perm = (torch.randperm(n_slots - 1) + 1)[:B].tolist()
     # Dead rows: vLLM's null block (0) and padding (-1) in the batch.
     if B >= 3:
         perm[1], perm[-1] = 0, -1
-    inp = _gdn_inputs(B, dtype, perm, n_slots, kdev)
+    inp = _gdn_inputs(B, dtype, perm, n_slots, kdev, W)
     live = [i for i, s in enumerate(perm) if s > 0]
     live_slots = [perm[i] for i in live]
     dead_slots = sorted(set(range(n_slots)) - set(live_slots))

@@ -207,9 +207,44 @@ __global__ void rms_norm_gated_kernel(const T* __restrict__ x, const T* __restri
 // ------------------------------------------------------------------------------------------
 
 constexpr int kGdnGroup = 16;  // lanes per state row (K / 16 floats each)
+// State rows per lane group and pass: their loads are in flight together (decode is
+// latency-bound at small batches), and the first pass's are issued before the conv.
+#ifndef VO_GDN_DECODE_ROWS
+#define VO_GDN_DECODE_ROWS 4
+#endif
+constexpr int kGdnRows = VO_GDN_DECODE_ROWS;
+
+// Raw float32 state rows row0 .. row0 + kGdnRows - 1 of a block's heads (K <= 128: two float4
+// per lane, columns (j * kGdnGroup + lane) * 4). Rows past `RV` repeat row0 (never written).
+__device__ __forceinline__ void gdn_load_rows(float (&hv)[kGdnRows][8], const float* st, int row0,
+                                              int RV, int K, int lane) {
+#pragma unroll
+  for (int u = 0; u < kGdnRows; ++u) {
+    const float* r = st + (int64_t)(row0 + (row0 + u < RV ? u : 0)) * K;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = (j * kGdnGroup + lane) * 4;
+      if (col < K) {
+        const float4 t = *reinterpret_cast<const float4*>(r + col);
+        hv[u][4 * j] = t.x;
+        hv[u][4 * j + 1] = t.y;
+        hv[u][4 * j + 2] = t.z;
+        hv[u][4 * j + 3] = t.w;
+      }
+    }
+  }
+}
+
+// Written for kGdnBlock threads: the bound keeps the state rows' registers within what a block
+// of that size may hold on any device (kGdnRows = 8 asked for more than sm_90 grants).
+#ifdef VO_CPU_EMULATION
+#define VO_GDN_DECODE_BOUNDS
+#else
+#define VO_GDN_DECODE_BOUNDS __launch_bounds__(kGdnBlock)
+#endif
 
 template <typename T>
-__global__ void gdn_decode_kernel(
+__global__ void VO_GDN_DECODE_BOUNDS gdn_decode_kernel(
     const T* __restrict__ qkv, int64_t s_qkv,                   // [B, D]
     const T* __restrict__ a, int64_t s_a, const T* __restrict__ b, int64_t s_b,  // [B, HV]
     T* __restrict__ conv_state, int64_t cs_slot, int64_t cs_d, int64_t cs_w,    // [S, D, W-1]
@@ -235,6 +270,13 @@ __global__ void gdn_decode_kernel(
     for (int i = tid; i < R * V; i += blockDim.x) o[i] = static_cast<T>(0.f);
     return;
   }
+  // This group's first state rows depend only on the slot: load them now, so that their
+  // latency overlaps the conv, the gates and the norms (H200, B = 1: see the LEDGER).
+  const int lane = tid % kGdnGroup, groups = blockDim.x / kGdnGroup;
+  const int RV = R * V, first = (tid / kGdnGroup) * kGdnRows;
+  float* st = ssm + (int64_t)slot * ssm_slot + (int64_t)h * R * V * K;
+  float hv[kGdnRows][8];
+  if (first < RV) gdn_load_rows(hv, st, first, RV, K, lane);
   // Conv update of this block's channels: window [state..., x], SiLU, round to T as upstream's
   // conv output is; the state shifts by one.
   const int C = 2 * K + R * V;
@@ -246,15 +288,25 @@ __global__ void gdn_decode_kernel(
     T* st = cst + (int64_t)gc * cs_d;
     const T xin = xr[gc];
     float acc = conv_b != nullptr ? to_f(conv_b[gc]) : 0.f;
-    T prev = st[0];
-    for (int j = 0; j < W - 1; ++j) {
-      const T cur = prev;
-      acc += to_f(wr[j]) * to_f(cur);
-      if (j + 1 < W - 1) {
-        prev = st[(j + 1) * cs_w];
-        st[j * cs_w] = prev;
-      } else {
-        st[j * cs_w] = xin;
+    if (W == 4) {  // Qwen3.5/3.6: the three state loads issued together, then the shift
+      const T s0 = st[0], s1 = st[cs_w], s2 = st[2 * cs_w];
+      acc += to_f(wr[0]) * to_f(s0);
+      acc += to_f(wr[1]) * to_f(s1);
+      acc += to_f(wr[2]) * to_f(s2);
+      st[0] = s1;
+      st[cs_w] = s2;
+      st[2 * cs_w] = xin;
+    } else {
+      T prev = st[0];
+      for (int j = 0; j < W - 1; ++j) {
+        const T cur = prev;
+        acc += to_f(wr[j]) * to_f(cur);
+        if (j + 1 < W - 1) {
+          prev = st[(j + 1) * cs_w];
+          st[j * cs_w] = prev;
+        } else {
+          st[j * cs_w] = xin;
+        }
       }
     }
     acc += to_f(wr[W - 1]) * to_f(xin);
@@ -281,42 +333,34 @@ __global__ void gdn_decode_kernel(
     k[i] *= rk;
   }
   __syncthreads();
-  // Delta rule, two state rows [K] per group of kGdnGroup lanes (both rows' loads in flight
-  // before the reductions: decode is latency-bound at small batches):
+  // Delta rule, kGdnRows state rows [K] per group of kGdnGroup lanes and pass:
   //   h <- exp(g) h;  h <- h + beta (v - h.k) k;  o = h.q
-  const int lane = tid % kGdnGroup, groups = blockDim.x / kGdnGroup;
-  const int RV = R * V;
-  for (int row0 = (tid / kGdnGroup) * 2; row0 < RV; row0 += groups * 2) {
-    const int nr = row0 + 1 < RV ? 2 : 1;  // uniform across the group
-    float hv[2][8];
-    float hk[2] = {0.f, 0.f};
-    float* hr[2];
+  for (int row0 = first; row0 < RV; row0 += groups * kGdnRows) {
+    if (row0 != first) gdn_load_rows(hv, st, row0, RV, K, lane);
+    const int nr = min(kGdnRows, RV - row0);  // uniform across the group
+    float hk[kGdnRows];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int row = row0 + (u < nr ? u : 0);
-      const float e = gate[row / V];
-      hr[u] = ssm + (int64_t)slot * ssm_slot + ((int64_t)h * R * V + row) * K;
-      // K <= 128: two float4 per lane (columns (j * kGdnGroup + lane) * 4), held in registers
-      // between the read of h.k and the write-back.
+    for (int u = 0; u < kGdnRows; ++u) {
+      const float e = gate[(row0 + (u < nr ? u : 0)) / V];
+      hk[u] = 0.f;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int col = (j * kGdnGroup + lane) * 4;
         if (col < K) {
-          const float4 t = *reinterpret_cast<const float4*>(hr[u] + col);
-          hv[u][4 * j] = t.x * e;
-          hv[u][4 * j + 1] = t.y * e;
-          hv[u][4 * j + 2] = t.z * e;
-          hv[u][4 * j + 3] = t.w * e;
 #pragma unroll
-          for (int c = 0; c < 4; ++c) hk[u] += hv[u][4 * j + c] * k[col + c];
+          for (int c = 0; c < 4; ++c) {
+            hv[u][4 * j + c] *= e;
+            hk[u] += hv[u][4 * j + c] * k[col + c];
+          }
         }
       }
     }
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < kGdnRows; ++u) {
       if (u >= nr) break;
       const int row = row0 + u;
       const float delta = gate[R + row / V] * (v[row] - group_sum(hk[u], kGdnGroup));
+      float* hr = st + (int64_t)row * K;
       float hq = 0.f;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -327,7 +371,7 @@ __global__ void gdn_decode_kernel(
           t.y = hv[u][4 * j + 1] + delta * k[col + 1];
           t.z = hv[u][4 * j + 2] + delta * k[col + 2];
           t.w = hv[u][4 * j + 3] + delta * k[col + 3];
-          *reinterpret_cast<float4*>(hr[u] + col) = t;
+          *reinterpret_cast<float4*>(hr + col) = t;
           hq += t.x * q[col] + t.y * q[col + 1] + t.z * q[col + 2] + t.w * q[col + 3];
         }
       }
