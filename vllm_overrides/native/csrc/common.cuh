@@ -125,6 +125,18 @@ __device__ __forceinline__ void group_argmax(float& bv, int& be) {
   }
 }
 
+// Round j's pick (bv, be) of group_topk: the largest logit (round 0) for the softmax, the
+// renormalising denominator, and lane j keeps pair j.
+__device__ __forceinline__ void topk_take(int j, int lane, bool renormalize, float bv, int be,
+                                          float& mx, float& denom, float& my_v, int& my_e) {
+  if (j == 0) mx = bv;
+  if (renormalize) denom += expf(bv - mx);
+  if (lane == j) {
+    my_v = bv;
+    my_e = be;
+  }
+}
+
 __device__ __forceinline__ void group_topk(const float* __restrict__ row, int E, int top_k,
                                            bool renormalize, int lane, float& w_out,
                                            int& e_out) {
@@ -155,12 +167,7 @@ __device__ __forceinline__ void group_topk(const float* __restrict__ row, int E,
         for (int i = 0; i < kRouteRegs; ++i)
           if (i == be / kRouteLanes) v[i] = NAN;  // unrolled: v stays in registers
       }
-      if (j == 0) mx = bv;
-      if (renormalize) denom += expf(bv - mx);
-      if (lane == j) {
-        my_v = bv;
-        my_e = be;
-      }
+      topk_take(j, lane, renormalize, bv, be, mx, denom, my_v, my_e);
     }
   } else {
     unsigned long long taken = 0;  // bit i: this lane's i-th logit chosen
@@ -176,12 +183,7 @@ __device__ __forceinline__ void group_topk(const float* __restrict__ row, int E,
       }
       group_argmax(bv, be);
       if (be % kRouteLanes == lane) taken |= 1ull << (be / kRouteLanes);
-      if (j == 0) mx = bv;
-      if (renormalize) denom += expf(bv - mx);
-      if (lane == j) {
-        my_v = bv;
-        my_e = be;
-      }
+      topk_take(j, lane, renormalize, bv, be, mx, denom, my_v, my_e);
     }
   }
   if (!renormalize) {  // the full softmax's denominator
