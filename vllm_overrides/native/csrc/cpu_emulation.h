@@ -174,8 +174,6 @@ inline T atomicAdd(T* p, T v) {
   return old;
 }
 inline unsigned long long __activemask() { return ~0ull; }
-// Blocks run one after another: every write is visible to the next block.
-inline void __threadfence() {}
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned long long, T v, int lane_mask, int width = warpSize) {
