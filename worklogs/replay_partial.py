@@ -17,7 +17,8 @@ It also projects the whole run's wall time on the same machine: the prefill cost
 (``N`` new and ``C`` cached tokens), plus their mean time after the first token, applied to every
 request of the dataset with ``C`` = its ideal times the efficiency reached so far (``projection``;
 checked against the records' own measured time). With ``--memory`` (``replay_e2e.py``'s
-``<out>.memory.jsonl``, appended as sampled) it adds the server's RSS start, end and growth.
+``<out>.memory.jsonl``, appended as sampled) it adds the server's RSS start, end and growth;
+``--plot`` draws tokens and efficiency per request and the RSS over the run.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-cache", type=Path, default=Path("/tmp/cache_sim_tokens"))
     ap.add_argument("--memory", type=Path, help="replay_e2e's <out>.memory.jsonl, if kept")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot", type=Path, help="PNG: tokens, efficiency and RSS per request")
     args = ap.parse_args(argv)
 
     recs = [json.loads(ln) for ln in args.records.read_text(encoding="utf-8").splitlines() if ln]
@@ -85,7 +87,48 @@ def main(argv: list[str] | None = None) -> int:
               f"{pj['done_measured_s'] / 60:.1f})")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    if args.plot:
+        plot(recs, mem if args.memory is not None else [], args.plot, f"{args.records.name}: "
+             f"{len(recs)} of {len(reqs)} requests")  # fmt: skip
     return 0
+
+
+def plot(recs: list[dict], mem: list[dict], path: Path, title: str) -> None:
+    """Per request: prompt, ideal and cached tokens, and cached / ideal; the server's RSS over
+    the run (where a memory log was given)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = sorted((r for r in recs if r.get("prompt_tokens")), key=lambda r: r["index"])
+    idx = [r["index"] for r in ok]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    ax = axes[0]
+    for key, style in (("prompt_tokens", "k-"), ("ideal_tokens", "b-"), ("cached_tokens", "g.")):
+        ax.plot(idx, [r[key] for r in ok], style, lw=0.8, ms=3, label=key.replace("_", " "))
+    ax.set_xlabel("request")
+    ax.set_title("tokens per request")
+    ax.legend()
+    ax = axes[1]
+    eff = [(r["index"], r["cached_tokens"] / r["ideal_tokens"]) for r in ok if r["ideal_tokens"]]
+    if eff:
+        ax.plot(*zip(*eff, strict=True), "g.", ms=3)
+    ax.axhline(0.95, color="red", ls="--", label="95 %")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("request")
+    ax.set_title("cached / ideal (requests with an ideal > 0)")
+    ax.legend()
+    ax = axes[2]
+    if mem:
+        ax.plot([m["t_s"] / 60 for m in mem], [m["rss"] / 2**20 for m in mem], "m-", lw=1)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("minutes")
+    ax.set_title("server RSS (MiB), all its processes")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def projection(

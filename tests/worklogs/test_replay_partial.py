@@ -25,21 +25,23 @@ def test_partial_log_gives_ideal_hit_and_efficiency(tmp_path: Path) -> None:
     cache.mkdir()
     # the token ids as cache_sim.render_dataset caches them (no tokenizer needed here)
     np.savez(cache / f"{sha[:16]}-3.npz", **{f"r{i}": np.array(x) for i, x in enumerate(ids)})
+    # request 2 is not reached
     recs = [
         {"index": 0, "status": "ok", "prompt_tokens": 100, "cached_tokens": 0,
          "t_start": 0.0, "t_first_token": 0.75, "t_end": 1.0},
         {"index": 1, "status": "ok", "prompt_tokens": 120, "cached_tokens": 64,
          "t_start": 1.0, "t_first_token": 1.75, "t_end": 2.0},
-    ]  # fmt: skip  (request 2 not reached)
+    ]  # fmt: skip
     log = tmp_path / "r.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    out = tmp_path / "o.json"
+    out, png = tmp_path / "o.json", tmp_path / "p.png"
     mem = tmp_path / "r.memory.jsonl"  # 20 samples 5 s apart, 100 MiB then 110 MiB
     mem.write_text("".join(json.dumps({"t_s": 5.0 * i, "rss": (100 + 10 * (i >= 10)) * 2**20,
                                        "by_process": {}}) + "\n" for i in range(20)))
     assert replay_partial.main(["--records", str(log), "--dataset", str(dataset),
                                 "--token-cache", str(cache), "--memory", str(mem),
-                                "--out", str(out)]) == 0  # fmt: skip
+                                "--out", str(out), "--plot", str(png)]) == 0  # fmt: skip
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = json.loads(out.read_text())
     assert res["n_done"] == 2 and res["success"] == 1.0 and res["wall_s"] == 2.0
     assert res["ideal_tokens"] == 80  # request 1 shares its first 80 tokens with request 0
