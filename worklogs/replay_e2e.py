@@ -128,6 +128,17 @@ def memory_summary(samples: list[tuple[float, int]], every: float) -> dict[str, 
     }  # fmt: skip
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (``kill``, a job's time limit) raises SystemExit(143), so ``main``'s ``finally``
+    stops the server: Python's default SIGTERM ends the process at once, and the server, in its
+    own session, outlived the replay (2026-12-03, LEDGER)."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="replay88")
@@ -152,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("extra", nargs="*", help="after --: extra launcher arguments")
     args = ap.parse_args(argv)
+    exit_on_sigterm()
 
     build = REPO / "build" / "replay"
     build.mkdir(parents=True, exist_ok=True)
