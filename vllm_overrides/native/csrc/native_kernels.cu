@@ -285,27 +285,27 @@ __global__ void VO_GDN_DECODE_BOUNDS gdn_decode_kernel(
   for (int c = tid; c < C; c += blockDim.x) {
     const int gc = c < K ? h * K + c : (c < 2 * K ? H * K + h * K + (c - K) : 2 * H * K + h * R * V + (c - 2 * K));
     const T* wr = conv_w + (int64_t)gc * W;
-    T* st = cst + (int64_t)gc * cs_d;
+    T* cs = cst + (int64_t)gc * cs_d;
     const T xin = xr[gc];
     float acc = conv_b != nullptr ? to_f(conv_b[gc]) : 0.f;
     if (W == 4) {  // Qwen3.5/3.6: the three state loads issued together, then the shift
-      const T s0 = st[0], s1 = st[cs_w], s2 = st[2 * cs_w];
+      const T s0 = cs[0], s1 = cs[cs_w], s2 = cs[2 * cs_w];
       acc += to_f(wr[0]) * to_f(s0);
       acc += to_f(wr[1]) * to_f(s1);
       acc += to_f(wr[2]) * to_f(s2);
-      st[0] = s1;
-      st[cs_w] = s2;
-      st[2 * cs_w] = xin;
+      cs[0] = s1;
+      cs[cs_w] = s2;
+      cs[2 * cs_w] = xin;
     } else {
-      T prev = st[0];
+      T prev = cs[0];
       for (int j = 0; j < W - 1; ++j) {
         const T cur = prev;
         acc += to_f(wr[j]) * to_f(cur);
         if (j + 1 < W - 1) {
-          prev = st[(j + 1) * cs_w];
-          st[j * cs_w] = prev;
+          prev = cs[(j + 1) * cs_w];
+          cs[j * cs_w] = prev;
         } else {
-          st[j * cs_w] = xin;
+          cs[j * cs_w] = xin;
         }
       }
     }
