@@ -22,12 +22,14 @@
 // these very kernels, with 64- and 32-lane warps.
 #include "cpu_emulation.h"
 #else
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #define VO_DISPATCH_KEY CUDA
 #define VO_ON_DEVICE(t) (t).is_cuda()
 #define VO_DEVICE_GUARD(t) const c10::cuda::OptionalCUDAGuard vo_guard_((t).device())
+#define VO_SM_COUNT(t) at::cuda::getDeviceProperties((t).get_device())->multiProcessorCount
 #define VO_DYN_SMEM(type, name) extern __shared__ type name[]
 // The launch check turns a launch the device refuses (too much shared memory, too many
 // registers for the block) into an exception at the call -- which the Python side can answer

@@ -174,6 +174,8 @@ inline T atomicAdd(T* p, T v) {
   return old;
 }
 inline unsigned long long __activemask() { return ~0ull; }
+// Blocks run one after another: every write is visible to the next block.
+inline void __threadfence() {}
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned long long, T v, int lane_mask, int width = warpSize) {
@@ -278,6 +280,8 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
 #define VO_DISPATCH_KEY CPU
 #define VO_ON_DEVICE(t) (t).is_cpu()
 #define VO_DEVICE_GUARD(t) (void)(t)
+// An H200's SM count, so that the tests' batch sizes take both of a kernel's grid layouts.
+#define VO_SM_COUNT(t) ((void)(t), 132)
 #define VO_DYN_SMEM(type, name) type* name = reinterpret_cast<type*>(vo_emu::current->smem.data())
 #define VO_LAUNCH(kernel, grid, block, smem, ...) \
   vo_emu::launch(dim3(grid), dim3(block), (smem), [&] { kernel(__VA_ARGS__); })

@@ -9,6 +9,9 @@
 // Each op's contract is its PyTorch path's (vllm_overrides/native/{gdn,moe,rmsnorm}.py); the
 // float64 references and tests/native/test_cuda_kernels.py pin both.
 
+#include <map>
+#include <mutex>
+
 #include "common.cuh"
 
 namespace {
@@ -243,6 +246,39 @@ __device__ __forceinline__ void gdn_load_rows(float (&hv)[kGdnRows][8], const fl
 #define VO_GDN_DECODE_BOUNDS __launch_bounds__(kGdnBlock)
 #endif
 
+// Conv window of one channel: [state..., x] dotted with the channel's taps (in order, as the
+// PyTorch path), and with `shift` the state moved on by one (oldest dropped, x appended).
+template <typename T>
+__device__ __forceinline__ float gdn_conv_channel(T* st, int64_t cs_w, const T* wr, int W, T xin,
+                                                  float acc, bool shift) {
+  if (W == 4) {  // Qwen3.5/3.6: the three state loads issued together, then the shift
+    const T s0 = st[0], s1 = st[cs_w], s2 = st[2 * cs_w];
+    acc += to_f(wr[0]) * to_f(s0);
+    acc += to_f(wr[1]) * to_f(s1);
+    acc += to_f(wr[2]) * to_f(s2);
+    if (shift) {
+      st[0] = s1;
+      st[cs_w] = s2;
+      st[2 * cs_w] = xin;
+    }
+  } else {
+    T prev = st[0];
+    for (int j = 0; j < W - 1; ++j) {
+      acc += to_f(wr[j]) * to_f(prev);
+      const T next = j + 1 < W - 1 ? st[(j + 1) * cs_w] : xin;
+      if (shift) st[j * cs_w] = next;
+      prev = next;
+    }
+  }
+  return acc + to_f(wr[W - 1]) * to_f(xin);
+}
+
+// One block per Rb value heads and sequence. Rb = R = HV / H (a key head's value heads) where
+// the batch fills the GPU; Rb = 1 at small batches, which then spread over HV SMs instead of H
+// (the H200's B = 1 step, LEDGER). With Rb < R, the R / Rb blocks of a key head share its q/k
+// conv channels, whose state the call shifts in place: every block reads the old window, and
+// the last of them to finish reading (an atomic count per (sequence, key head) in `counts`, zero
+// between calls; the last block resets it) writes the shift. Each block shifts its v channels.
 template <typename T>
 __global__ void VO_GDN_DECODE_BOUNDS gdn_decode_kernel(
     const T* __restrict__ qkv, int64_t s_qkv,                   // [B, D]
@@ -254,72 +290,70 @@ __global__ void VO_GDN_DECODE_BOUNDS gdn_decode_kernel(
     T* __restrict__ out, int64_t s_out,                                          // [B, HV, V]
     const int32_t* __restrict__ slots, int H, int HV, int K, int V, float scale, bool silu,
     const T* __restrict__ z, int64_t s_z0, int64_t s_z1,                         // [B, HV, V]
-    const T* __restrict__ norm_w, float norm_eps, bool norm_sigmoid) {
-  VO_DYN_SMEM(float, sm);  // q[K] k[K] v[R*V] gates[2R] (with z: o[R*V])
+    const T* __restrict__ norm_w, float norm_eps, bool norm_sigmoid, int Rb,
+    int* __restrict__ counts) {                                                  // [B * H]
+  VO_DYN_SMEM(float, sm);  // q[K] k[K] v[Rb*V] gates[2Rb] (with z: o[Rb*V])
   __shared__ float red[2 * kMaxWarps];
-  const int h = blockIdx.x, bi = blockIdx.y, tid = threadIdx.x;
-  const int R = HV / H;
+  __shared__ int last;
+  const int hv0 = blockIdx.x * Rb, bi = blockIdx.y, tid = threadIdx.x;
+  const int R = HV / H, h = hv0 / R, S = R / Rb;
   float* q = sm;
   float* k = q + K;
   float* v = k + K;
-  float* gate = v + R * V;  // [0, R): exp(g); [R, 2R): beta
-  float* ov = gate + 2 * R;  // raw outputs, rounded to T, when the norm is fused
+  float* gate = v + Rb * V;  // [0, Rb): exp(g); [Rb, 2Rb): beta
+  float* ov = gate + 2 * Rb;  // raw outputs, rounded to T, when the norm is fused
   const int slot = slots[bi];
-  T* o = out + bi * s_out + (int64_t)h * R * V;
+  T* o = out + bi * s_out + (int64_t)hv0 * V;
   if (slot <= 0) {  // null block (0) or padding (-1): zeros, every state untouched
-    for (int i = tid; i < R * V; i += blockDim.x) o[i] = static_cast<T>(0.f);
+    for (int i = tid; i < Rb * V; i += blockDim.x) o[i] = static_cast<T>(0.f);
     return;
   }
   // This group's first state rows depend only on the slot: load them now, so that their
   // latency overlaps the conv, the gates and the norms (H200, B = 1: see the LEDGER).
   const int lane = tid % kGdnGroup, groups = blockDim.x / kGdnGroup;
-  const int RV = R * V, first = (tid / kGdnGroup) * kGdnRows;
-  float* st = ssm + (int64_t)slot * ssm_slot + (int64_t)h * R * V * K;
-  float hv[kGdnRows][8];
-  if (first < RV) gdn_load_rows(hv, st, first, RV, K, lane);
-  // Conv update of this block's channels: window [state..., x], SiLU, round to T as upstream's
-  // conv output is; the state shifts by one.
-  const int C = 2 * K + R * V;
-  const T* xr = qkv + bi * s_qkv;
-  T* cst = conv_state + (int64_t)slot * cs_slot;
-  for (int c = tid; c < C; c += blockDim.x) {
-    const int gc = c < K ? h * K + c : (c < 2 * K ? H * K + h * K + (c - K) : 2 * H * K + h * R * V + (c - 2 * K));
-    const T* wr = conv_w + (int64_t)gc * W;
-    T* cs = cst + (int64_t)gc * cs_d;
-    const T xin = xr[gc];
-    float acc = conv_b != nullptr ? to_f(conv_b[gc]) : 0.f;
-    if (W == 4) {  // Qwen3.5/3.6: the three state loads issued together, then the shift
-      const T s0 = cs[0], s1 = cs[cs_w], s2 = cs[2 * cs_w];
-      acc += to_f(wr[0]) * to_f(s0);
-      acc += to_f(wr[1]) * to_f(s1);
-      acc += to_f(wr[2]) * to_f(s2);
-      cs[0] = s1;
-      cs[cs_w] = s2;
-      cs[2 * cs_w] = xin;
-    } else {
-      T prev = cs[0];
-      for (int j = 0; j < W - 1; ++j) {
-        const T cur = prev;
-        acc += to_f(wr[j]) * to_f(cur);
-        if (j + 1 < W - 1) {
-          prev = cs[(j + 1) * cs_w];
-          cs[j * cs_w] = prev;
-        } else {
-          cs[j * cs_w] = xin;
-        }
-      }
-    }
-    acc += to_f(wr[W - 1]) * to_f(xin);
-    sm[c] = to_f(static_cast<T>(silu ? silu_f(acc) : acc));
-  }
-  if (tid < R) {
-    const int hv = h * R + tid;
+  const int RV = Rb * V, first = (tid / kGdnGroup) * kGdnRows;
+  float* st = ssm + (int64_t)slot * ssm_slot + (int64_t)hv0 * V * K;
+  float hv_rows[kGdnRows][8];
+  if (first < RV) gdn_load_rows(hv_rows, st, first, RV, K, lane);
+  if (tid < Rb) {
+    const int hv = hv0 + tid;
     const float x = to_f(a[bi * s_a + hv]) + dt_bias[hv];
     const float sp = x > 20.f ? x : log1pf(expf(x));  // softplus, threshold 20
     gate[tid] = expf(-expf(A_log[hv]) * sp);
-    gate[R + tid] = sigmoid_f(to_f(b[bi * s_b + hv]));
+    gate[Rb + tid] = sigmoid_f(to_f(b[bi * s_b + hv]));
   }
-  __syncthreads();
+  // Conv of this block's channels (q, k of key head h; v of its value heads): SiLU, rounded to
+  // T as upstream's conv output is. With S > 1 only the v channels' state shifts here.
+  const int C = 2 * K + Rb * V;
+  const T* xr = qkv + bi * s_qkv;
+  T* cst = conv_state + (int64_t)slot * cs_slot;
+  auto channel = [&](int c) {
+    return c < K ? h * K + c : (c < 2 * K ? H * K + h * K + (c - K) : 2 * H * K + hv0 * V + (c - 2 * K));
+  };
+  for (int c = tid; c < C; c += blockDim.x) {
+    const int gc = channel(c);
+    const float acc = gdn_conv_channel(cst + (int64_t)gc * cs_d, cs_w, conv_w + (int64_t)gc * W,
+                                       W, xr[gc], conv_b != nullptr ? to_f(conv_b[gc]) : 0.f,
+                                       c >= 2 * K || S == 1);
+    sm[c] = to_f(static_cast<T>(silu ? silu_f(acc) : acc));
+  }
+  __syncthreads();  // every q/k window of this block read
+  if (S > 1) {
+    if (tid == 0) {
+      __threadfence();
+      last = atomicAdd(&counts[bi * H + h], 1) == S - 1;
+      if (last) counts[bi * H + h] = 0;
+    }
+    __syncthreads();
+    if (last) {  // the other S - 1 blocks have read the old q/k windows: shift them
+      for (int c = tid; c < 2 * K; c += blockDim.x) {
+        const int gc = channel(c);
+        T* sc = cst + (int64_t)gc * cs_d;
+        for (int j = 0; j + 1 < W - 1; ++j) sc[j * cs_w] = sc[(j + 1) * cs_w];
+        sc[(W - 2) * cs_w] = xr[gc];
+      }
+    }
+  }
   // L2 norms of q and k (float32, eps 1e-6), scale folded into q.
   float ss[2] = {0.f, 0.f};
   for (int i = tid; i < K; i += blockDim.x) {
@@ -336,7 +370,7 @@ __global__ void VO_GDN_DECODE_BOUNDS gdn_decode_kernel(
   // Delta rule, kGdnRows state rows [K] per group of kGdnGroup lanes and pass:
   //   h <- exp(g) h;  h <- h + beta (v - h.k) k;  o = h.q
   for (int row0 = first; row0 < RV; row0 += groups * kGdnRows) {
-    if (row0 != first) gdn_load_rows(hv, st, row0, RV, K, lane);
+    if (row0 != first) gdn_load_rows(hv_rows, st, row0, RV, K, lane);
     const int nr = min(kGdnRows, RV - row0);  // uniform across the group
     float hk[kGdnRows];
 #pragma unroll
@@ -349,8 +383,8 @@ __global__ void VO_GDN_DECODE_BOUNDS gdn_decode_kernel(
         if (col < K) {
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
-            hv[u][4 * j + c] *= e;
-            hk[u] += hv[u][4 * j + c] * k[col + c];
+            hv_rows[u][4 * j + c] *= e;
+            hk[u] += hv_rows[u][4 * j + c] * k[col + c];
           }
         }
       }
@@ -359,7 +393,7 @@ __global__ void VO_GDN_DECODE_BOUNDS gdn_decode_kernel(
     for (int u = 0; u < kGdnRows; ++u) {
       if (u >= nr) break;
       const int row = row0 + u;
-      const float delta = gate[R + row / V] * (v[row] - group_sum(hk[u], kGdnGroup));
+      const float delta = gate[Rb + row / V] * (v[row] - group_sum(hk[u], kGdnGroup));
       float* hr = st + (int64_t)row * K;
       float hq = 0.f;
 #pragma unroll
@@ -367,10 +401,10 @@ __global__ void VO_GDN_DECODE_BOUNDS gdn_decode_kernel(
         const int col = (j * kGdnGroup + lane) * 4;
         if (col < K) {
           float4 t;
-          t.x = hv[u][4 * j] + delta * k[col];
-          t.y = hv[u][4 * j + 1] + delta * k[col + 1];
-          t.z = hv[u][4 * j + 2] + delta * k[col + 2];
-          t.w = hv[u][4 * j + 3] + delta * k[col + 3];
+          t.x = hv_rows[u][4 * j] + delta * k[col];
+          t.y = hv_rows[u][4 * j + 1] + delta * k[col + 1];
+          t.z = hv_rows[u][4 * j + 2] + delta * k[col + 2];
+          t.w = hv_rows[u][4 * j + 3] + delta * k[col + 3];
           *reinterpret_cast<float4*>(hr + col) = t;
           hq += t.x * q[col] + t.y * q[col + 1] + t.z * q[col + 2] + t.w * q[col + 3];
         }
@@ -388,12 +422,12 @@ __global__ void VO_GDN_DECODE_BOUNDS gdn_decode_kernel(
   __syncthreads();
   // Gated RMSNorm of each of the block's value heads, one warp per head (any warp width).
   const int wl = tid % warpSize, nw = blockDim.x / warpSize;
-  for (int r = tid / warpSize; r < R; r += nw) {
+  for (int r = tid / warpSize; r < Rb; r += nw) {
     const float* orow = ov + r * V;
     float ss = 0.f;
     for (int i = wl; i < V; i += warpSize) ss += orow[i] * orow[i];
     const float inv = rsqrtf(warp_sum(ss) / V + norm_eps);
-    const T* zr = z + bi * s_z0 + (int64_t)(h * R + r) * s_z1;
+    const T* zr = z + bi * s_z0 + (int64_t)(hv0 + r) * s_z1;
     for (int i = wl; i < V; i += warpSize) {
       const float g = to_f(zr[i]);
       o[r * V + i] = static_cast<T>(orow[i] * inv * to_f(norm_w[i]) *
@@ -840,6 +874,20 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight) {
   return out;
 }
 
+// gdn_decode_kernel's per-(sequence, key head) counts: zero between calls (each call's last
+// block resets what it counted), so one buffer per device serves every layer and call, in
+// stream order. Allocated on first use (the engine's warm-up runs precede any graph capture)
+// and grown, rarely, for a larger batch.
+int* gdn_decode_counts(const at::Tensor& like, int64_t n) {
+  static std::mutex mu;
+  static std::map<int, at::Tensor> bufs;
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& buf = bufs[like.is_cpu() ? -1 : like.get_device()];
+  if (!buf.defined() || buf.numel() < n)
+    buf = at::zeros({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));
+  return buf.data_ptr<int>();
+}
+
 void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
                 at::Tensor& conv_state, const at::Tensor& conv_weight,
                 const c10::optional<at::Tensor>& conv_bias, const at::Tensor& A_log,
@@ -885,9 +933,12 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
                 "gdn_decode: norm_weight [V] in the activation dtype");
   }
   VO_DEVICE_GUARD(qkv);
-  const int R = HV / H;
-  const size_t smem = (2 * K + R * V + 2 * R + (norm ? R * V : 0)) * sizeof(float);
-  dim3 grid(H, B);
+  // Value heads per block: one while that grid fits one wave of the GPU's SMs, else a key
+  // head's R (H200: one head a block took B = 1 from 10.7 to 8.5 us but B = 64 from 30 to 38).
+  const int R = HV / H, Rb = (int64_t)B * HV <= VO_SM_COUNT(qkv) ? 1 : R;
+  const size_t smem = (2 * K + Rb * V + 2 * Rb + (norm ? Rb * V : 0)) * sizeof(float);
+  dim3 grid(HV / Rb, B);
+  int* counts = Rb < R ? gdn_decode_counts(qkv, (int64_t)B * H) : nullptr;
   VO_DISPATCH_FLOATS(qkv.scalar_type(), "gdn_decode", [&] {
     const scalar_t* bias = conv_bias.has_value() ? conv_bias->data_ptr<scalar_t>() : nullptr;
     if (conv_bias.has_value())
@@ -904,7 +955,7 @@ void gdn_decode(const at::Tensor& qkv, const at::Tensor& a, const at::Tensor& b,
         static_cast<float>(scale), silu, norm ? z->data_ptr<scalar_t>() : nullptr,
         norm ? z->stride(0) : 0, norm ? z->stride(1) : 0,
         norm ? norm_weight->data_ptr<scalar_t>() : nullptr, static_cast<float>(norm_eps),
-        norm_sigmoid);
+        norm_sigmoid, Rb, counts);
   });
 }
 
