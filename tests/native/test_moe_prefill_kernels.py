@@ -61,6 +61,23 @@ def test_route_count_places_every_pair_once(kdev: str, T: int) -> None:
         assert torch.equal(got.long(), torch.arange(int(counts[e]), device=kdev)), e
 
 
+@pytest.mark.parametrize("kdev,T", cases([1, 4099], [37]), indirect=["kdev"])
+def test_permute_writes_each_row_to_its_pairs_places(kdev: str, T: int) -> None:
+    """Every pair's row of ``xs`` is its token's row of x (x's rows strided), the rows of expert
+    e are its group's (``ends`` = running counts), ``inverse`` is a permutation and ``ws`` holds
+    each pair's weight at its row. T not a multiple of the tokens a block takes at a time."""
+    E, k, H = (256, 8, 2048) if kdev == "cuda" else (32, 4, 64)
+    x = torch.randn(T, H + 8, device=kdev).to(torch.bfloat16)[:, :H]
+    logits = torch.randn(T, E, device=kdev).to(torch.bfloat16)
+    w, ids, counts, slot = torch.ops.vo_kernels.moe_route_count(logits, k, True)
+    xs, ws, inverse, ends = torch.ops.vo_kernels.moe_permute(x, w, ids, counts, slot)
+    assert torch.equal(ends.long(), counts.long().cumsum(0))
+    assert torch.equal(inverse.sort().values, torch.arange(T * k, device=kdev))
+    assert torch.equal(xs[inverse], x.repeat_interleave(k, 0))
+    assert torch.equal(ws[inverse], w.flatten())
+    assert torch.equal(torch.searchsorted(ends.long(), inverse, right=True), ids.flatten())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("kdev,T", cases([33, 1000], [37]), indirect=["kdev"])
