@@ -97,6 +97,10 @@ def ideal_prefix_tokens(prompts: Sequence[Sequence[int]], unit: int = 64) -> lis
     return out
 
 
+# Issue 13's per-request line: cached tokens >= 95 % of the ideal (``n_below_95pct`` counts misses).
+EFFICIENCY_TARGET = 0.95
+
+
 def cache_efficiency(records: Sequence[Record]) -> dict[str, Any]:
     """Cached tokens the server granted against the token-level ideal, in total and per request.
 
@@ -125,7 +129,7 @@ def cache_efficiency(records: Sequence[Record]) -> dict[str, Any]:
         "efficiency_per_request": {
             **{f"p{q}": percentile(per_req, q) for q in (10, 50, 90)},
             "n": len(per_req),
-            "n_below_95pct": sum(1 for e in per_req if e < 0.95),
+            "n_below_95pct": sum(1 for e in per_req if e < EFFICIENCY_TARGET),
         },
         "cached_over_ideal_requests": sum(
             1 for r in ok if int(r.get("cached_tokens") or 0) > int(r["ideal_tokens"])

@@ -114,7 +114,7 @@ def plot(recs: list[dict], mem: list[dict], path: Path, title: str) -> None:
     eff = [(r["index"], r["cached_tokens"] / r["ideal_tokens"]) for r in ok if r["ideal_tokens"]]
     if eff:
         ax.plot(*zip(*eff, strict=True), "g.", ms=3)
-    ax.axhline(0.95, color="red", ls="--", label="95 %")
+    ax.axhline(pm.EFFICIENCY_TARGET, color="red", ls="--", label=f"{pm.EFFICIENCY_TARGET:.0%}")
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("request")
     ax.set_title("cached / ideal (requests with an ideal > 0)")
