@@ -881,9 +881,56 @@ class Bench:
             ("combine", lambda: ops.moe_combine(y, inverse, k, None, None)),
         ]
         res["fused_stages_eager_ms"] = {n: self.timer.eager([fn], 20.0) for n, fn in stages}
+        if kernels._grouped_gemm_fits(x, w13, w2):
+            self.moe_prefill_wmma(res, x, logits, w13, w2, k, ref, flops, (xs, h, ws, ends))
         if with_loop:
             res["fused_loop_err_first256"] = rel(fused("loop")()[:sub], ref)
             res["fused_loop"] = {"eager_ms": self.timer.eager([fused("loop")], 50.0)}
+
+    def moe_prefill_wmma(
+        self,
+        res: dict[str, Any],
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        k: int,
+        ref: torch.Tensor,
+        flops: float,
+        stock: tuple[torch.Tensor, ...],
+    ) -> None:
+        """method="wmma" (our grouped GEMMs, x's rows gathered in place) whole and by stage,
+        each GEMM beside the stock torch._grouped_mm on the same rows (graph replay)."""
+        sub = ref.shape[0]
+        fused = lambda: kernels.moe_prefill(x, logits, k, True, w13, w2, None, "wmma")  # noqa: E731
+        res["fused_wmma_err_first256"] = rel(fused()[:sub], ref)
+        res["fused_wmma"] = self.timer.both([fused], 50.0)
+        ms = res["fused_wmma"].get("graph_ms") or res["fused_wmma"]["eager_ms"]
+        res["fused_wmma_TFps"] = flops / (ms * 1e-3) / 1e12
+        if res["tp"] == 4:
+            res["profile_fused_wmma"] = profile_table(fused, n=3)
+        ops = torch.ops.vo_kernels
+        xs, h, ws_p, ends_p = stock
+        w, ids, counts, slot = ops.moe_route_count(logits, k, True)
+        src, ws, inverse, ends, tiles = ops.moe_order(w, ids, counts, slot)
+        act = ops.moe_grouped_gemm(x, src, w13, ends, tiles, ws)
+        act_p = ops.moe_act(h, ws_p)
+        P, H, I = src.numel(), x.shape[1], w2.shape[2]  # noqa: E741
+        up, down = 4 * P * H * I, 2 * P * H * I
+        gg = ops.moe_grouped_gemm
+        gemms: list[tuple[str, Callable[[], Any], float]] = [
+            ("order", lambda: ops.moe_order(w, ids, counts, slot), 0.0),
+            ("wmma_gate_up", lambda: gg(x, src, w13, ends, tiles, ws), up),
+            ("stock_gate_up", lambda: torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends_p), up),
+            ("wmma_down", lambda: gg(act, None, w2, ends, tiles, None), down),
+            ("stock_down", lambda: torch._grouped_mm(act_p, w2.transpose(1, 2), offs=ends_p), down),
+        ]
+        out: dict[str, Any] = {}
+        for name, fn, fl in gemms:
+            t = self.timer.both([fn], 20.0)
+            ms = t.get("graph_ms") or t["eager_ms"]
+            out[name] = {**t, **({"TFps": fl / (ms * 1e-3) / 1e12} if fl else {})}
+        res["wmma_stages"] = out
 
     # -- plan ------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """The fused MoE prefill kernels (``kernels.moe_prefill``: route + counts, rows into expert order,
-activation, combine with the shared expert) against float64 and the PyTorch path.
+activation, our grouped GEMMs, combine with the shared expert) against float64 and the PyTorch
+path.
 
 Same split as ``test_cuda_kernels.py`` (whose fixtures these tests use): ``cuda`` cases run on a
 GPU through ``scripts/gpu_kernel_tests.sh`` and skip in CPU CI with that reason; ``emu64`` /
@@ -78,6 +79,63 @@ def test_permute_writes_each_row_to_its_pairs_places(kdev: str, T: int) -> None:
     assert torch.equal(torch.searchsorted(ends.long(), inverse, right=True), ids.flatten())
 
 
+@pytest.mark.parametrize("kdev,T", cases([1, 4099], [37]), indirect=["kdev"])
+def test_order_maps_each_row_to_its_token_and_the_tiles_to_experts(kdev: str, T: int) -> None:
+    """``moe_order`` places the pairs as ``moe_permute`` does, moves no row, names each row's
+    token (``src``), and ``tile_starts`` counts each expert's 128-row tiles."""
+    E, k = (256, 8) if kdev == "cuda" else (32, 4)
+    x = torch.randn(T, 64, device=kdev).to(torch.bfloat16)
+    logits = torch.randn(T, E, device=kdev).to(torch.bfloat16)
+    logits[: T // 2 + 1, 3] = 30.0  # one expert with several tiles (T = 37: one)
+    w, ids, counts, slot = torch.ops.vo_kernels.moe_route_count(logits, k, True)
+    src, ws, inverse, ends, tiles = torch.ops.vo_kernels.moe_order(w, ids, counts, slot)
+    _, ws_p, inverse_p, ends_p = torch.ops.vo_kernels.moe_permute(x, w, ids, counts, slot)
+    assert torch.equal(inverse, inverse_p) and torch.equal(ws, ws_p) and torch.equal(ends, ends_p)
+    tokens = torch.arange(T, device=kdev).repeat_interleave(k)
+    assert torch.equal(src[inverse].long(), tokens)
+    want = torch.cat([counts.new_zeros(1), ((counts + 127) // 128).cumsum(0)])
+    assert torch.equal(tiles.long(), want.long())
+
+
+def _grouped_case(kdev: str, T: int, dtype: torch.dtype) -> tuple:
+    """x, the weights and the expert order of a routing with an empty expert, one expert
+    spanning several 128-row tiles and groups that are not multiples of a tile."""
+    E, H, I, k = (256, 2048, 128, 8) if kdev == "cuda" else (6, 128, 64, 2)  # noqa: E741
+    w13, w2 = _moe_weights(E, H, I, dtype, kdev)
+    x = torch.randn(T, H, device=kdev).to(dtype)
+    logits = torch.randn(T, E, device=kdev)
+    logits[:, 1] = -30.0  # empty
+    logits[:, 0] = -30.0
+    logits[: T - 20, 0] = 30.0  # several tiles, the last partial
+    w, ids, counts, slot = torch.ops.vo_kernels.moe_route_count(logits.to(dtype), k, True)
+    order = torch.ops.vo_kernels.moe_order(w, ids, counts, slot)
+    assert int(counts[1]) == 0 and int(counts[0]) == T - 20 and (T - 20) % 128 != 0
+    return x, w13, w2, order
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kdev,T", cases([1000, 5000], [150]), indirect=["kdev"])
+def test_grouped_gemms_vs_float64(kdev: str, dtype: torch.dtype, T: int) -> None:
+    """``moe_grouped_gemm``: gate/up with x's rows gathered and silu(gate) * up * weight in the
+    epilogue, then down, each against float64 on the same inputs, row by row of its expert."""
+    x, w13, w2, (src, ws, inverse, ends, tiles) = _grouped_case(kdev, T, dtype)
+    I = w2.shape[2]  # noqa: E741
+    act = torch.ops.vo_kernels.moe_grouped_gemm(x, src, w13, ends, tiles, ws)
+    y = torch.ops.vo_kernels.moe_grouped_gemm(act, None, w2, ends, tiles, None)
+    expert = torch.searchsorted(ends.long(), torch.arange(src.numel(), device=kdev), right=True)
+    xd, ad = x.double(), act.double()
+    act_ref = torch.empty_like(ad)
+    y_ref = torch.empty(y.shape, dtype=torch.float64, device=kdev)
+    for e in expert.unique().tolist():
+        rows = (expert == e).nonzero().squeeze(1)
+        h = xd[src[rows].long()] @ w13[e].double().t()
+        act_ref[rows] = h[:, :I] * torch.sigmoid(h[:, :I]) * h[:, I:] * ws[rows].double()[:, None]
+        y_ref[rows] = ad[rows] @ w2[e].double().t()
+    # One rounding of each output to the 16-bit type: rel. error ~2^-9 (fp16) / 2^-8 (bf16).
+    assert rel_err(act, act_ref) <= TOL[dtype] / 2
+    assert rel_err(y, y_ref) <= TOL[dtype] / 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("kdev,T", cases([33, 1000], [37]), indirect=["kdev"])
@@ -85,15 +143,17 @@ def test_moe_prefill_vs_reference_and_torch(
     kdev: str, dtype: torch.dtype, shared: bool, T: int
 ) -> None:
     # Qwen3.6-35B-A3B at TP4 on the GPU; a small MoE under emulation.
-    E, H, I, k = (256, 2048, 128, 8) if kdev == "cuda" else (16, 64, 32, 4)  # noqa: E741
+    E, H, I, k = (256, 2048, 128, 8) if kdev == "cuda" else (16, 128, 64, 4)  # noqa: E741
     w13, w2 = _moe_weights(E, H, I, dtype, kdev)
     x = torch.randn(T, H, device=kdev).to(dtype)
     logits = torch.randn(T, E, device=kdev).to(dtype)
     logits[1] = logits[0]  # two tokens on the same experts
     sh = _shared(H, I, dtype, kdev) if shared else None
-    methods = ["loop"] + (["grouped"] if moe.grouped_mm_available(kdev, dtype) else [])
+    methods = ["loop", "wmma"] + (["grouped"] if moe.grouped_mm_available(kdev, dtype) else [])
     for method in methods:
+        kernels.FUSED_USED.discard("moe_grouped_gemm")
         r = _both(kernels.moe_prefill, x, logits, k, True, w13, w2, sh, method)
+        assert ("moe_grouped_gemm" in kernels.FUSED_USED) == (method == "wmma")
         w, ids = mref.route_reference(logits.cpu(), k, True)
         ref = mref.moe_experts_reference(x.cpu(), w, ids, w13.cpu(), w2.cpu())
         if sh is not None:
@@ -113,7 +173,7 @@ def test_moe_prefill_16k_tokens(kdev: str, dtype: torch.dtype) -> None:
     sh = _shared(H, I, dtype, kdev)
     w, ids = moe.route(logits, k, True)
     ref = _ref_by_expert(x, w, ids, w13, w2, sh)
-    for method in ("grouped", "loop"):
+    for method in ("grouped", "loop", "wmma"):
         if method == "grouped" and not moe.grouped_mm_available(kdev, dtype):
             continue
         r = _both(kernels.moe_prefill, x, logits, k, True, w13, w2, sh, method)
@@ -158,3 +218,44 @@ def test_moe_prefill_falls_back_where_rows_are_not_vectors(kdev: str) -> None:
     w, ids = mref.route_reference(logits.cpu(), k, True)
     ref = mref.moe_experts_reference(x.cpu(), w, ids, w13.cpu(), w2.cpu())
     assert rel_err(out.cpu(), ref) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("kdev", [pytest.param("emu64", marks=emu)], indirect=True)
+def test_grouped_gemm_failure_falls_back(kdev: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grouped-GEMM launch the device refuses costs no request: this call and every later one
+    take the library path (``loop`` / ``grouped``), with its result."""
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("CUDA error: too many resources requested for launch")
+
+    monkeypatch.setattr(kernels, "_grouped_gemm_ok", True)
+    monkeypatch.setattr(kernels, "_grouped_gemms", refuse)
+    E, H, I, k, T = 8, 128, 64, 2, 40  # noqa: E741
+    w13, w2 = _moe_weights(E, H, I, torch.bfloat16, kdev)
+    x = torch.randn(T, H, device=kdev).to(torch.bfloat16)
+    logits = torch.randn(T, E, device=kdev)
+    out = kernels.moe_prefill(x, logits, k, True, w13, w2, None, "wmma")
+    assert kernels._grouped_gemm_ok is False
+    library = "grouped" if moe.grouped_mm_available(kdev, torch.bfloat16) else "loop"
+    assert torch.equal(out, kernels.moe_prefill(x, logits, k, True, w13, w2, None, library))
+    assert torch.equal(out, kernels.moe_prefill(x, logits, k, True, w13, w2, None, "auto"))
+
+
+@pytest.mark.parametrize("kdev", [pytest.param("emu64", marks=emu)], indirect=True)
+def test_auto_takes_our_grouped_gemms_without_grouped_mm(
+    kdev: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device without torch._grouped_mm (the target's torch 2.1) gets our grouped GEMMs, not
+    the per-expert loop with its host sync; float32 (no 16-bit tensor-core operands) the loop."""
+    monkeypatch.setattr(moe, "grouped_mm_available", lambda *a: False)
+    monkeypatch.setattr(kernels, "_grouped_gemm_ok", True)
+    E, H, I, k, T = 8, 128, 64, 2, 40  # noqa: E741
+    for dtype, want in ((torch.bfloat16, True), (torch.float32, False)):
+        w13, w2 = _moe_weights(E, H, I, dtype, kdev)
+        x, logits = torch.randn(T, H, device=kdev).to(dtype), torch.randn(T, E, device=kdev)
+        kernels.FUSED_USED.discard("moe_grouped_gemm")
+        out = kernels.moe_prefill(x, logits, k, True, w13, w2)
+        assert ("moe_grouped_gemm" in kernels.FUSED_USED) is want, dtype
+        w, ids = mref.route_reference(logits, k, True)
+        ref = mref.moe_experts_reference(x, w, ids, w13, w2)
+        assert rel_err(out, ref) <= TOL[dtype]

@@ -34,8 +34,11 @@ op                     what one call does                                      l
                        NeoX RoPE (plain or interleaved MRoPE) + gate copy
 ``moe_prefill``        routing + expert counts, token rows into expert order,   4 + GEMMs
                        SiLU-and-mul x routing weight, the combine back to token
-                       order with the gated shared expert added (the expert
-                       GEMMs stay ``torch._grouped_mm`` / per-expert ``mm``)
+                       order with the gated shared expert added; the expert
+                       GEMMs ``torch._grouped_mm`` where the device has it,
+                       else our grouped GEMMs (``moe_grouped_gemm``, wmma:      5
+                       gate/up gathers x's rows itself, SiLU-and-mul x weight
+                       in its epilogue; no host sync), else per-expert ``mm``
 =====================  ======================================================  ==========
 
 Selection (``NATIVE_KERNELS``, read at import; :func:`set_backend` for tools and tests):
@@ -86,6 +89,15 @@ _mode = os.environ.get("NATIVE_KERNELS", "auto").strip().lower() or "auto"
 # float32-FMA version lost to the PyTorch path on the H200 (11.9 vs 2.2 ms at T=16K, TP4); the
 # tensor-core version beats it (worklogs/LEDGER.md, issue 15), but no target card has run it.
 GDN_CHUNK_FUSED = os.environ.get("GDN_CHUNK_KERNEL", "torch").strip().lower() == "fused"
+# The routed experts' GEMMs in MoE prefill when the caller says "auto": torch._grouped_mm where
+# the device has it (on the H200 it beats our own: LEDGER, issue 15), else our grouped GEMMs
+# (csrc/moe_grouped_gemm.cu) where they fit -- the target's torch 2.1 has no _grouped_mm, and
+# the alternative, one GEMM per expert after a host sync, is ~8x slower -- else that loop.
+# MOE_PREFILL_GEMM=grouped|loop|wmma forces one (the benchmarks' A/B switch).
+MOE_PREFILL_GEMM = os.environ.get("MOE_PREFILL_GEMM", "auto").strip().lower() or "auto"
+if MOE_PREFILL_GEMM not in ("auto", "grouped", "loop", "wmma"):
+    raise ValueError(f"MOE_PREFILL_GEMM: auto, grouped, loop or wmma, not {MOE_PREFILL_GEMM!r}")
+_grouped_gemm_ok = True  # False once the device refused the kernel's launch
 _loaded: bool | None = None  # None: not tried yet
 _emulated = False  # tests: the kernels built for host threads serve CPU tensors
 _emulation_built = False
@@ -645,29 +657,57 @@ def moe_prefill(
     expert GEMMs -- ``torch._grouped_mm`` where the device has it (``method="grouped"``), else
     one GEMM per non-empty expert slice after one host sync (``"loop"``, what a device without
     grouped GEMM runs) -- with SiLU-and-mul x routing weight between them (1), and one weighted
-    combine back to token order that also adds the gated shared expert (1).
+    combine back to token order that also adds the gated shared expert (1). ``"wmma"``: our
+    own grouped GEMMs instead (``moe_grouped_gemm``, tensor cores through wmma): the expert
+    order without moving rows (1), gate/up reading x's rows in place with SiLU-and-mul x
+    routing weight in its epilogue (1), down (1); no host sync and no grouped-GEMM library,
+    for 16-bit weights of fitting shapes (else ``"auto"``'s choice serves).
 
     Args:
         x: ``[T, H]``; router_logits: ``[T, E]``.
         w13: ``[E, 2I, H]``; w2: ``[E, H, I]`` (vLLM's layouts, read in place).
         shared: ``(gate_up [2Is, H], down [H, Is], gate [1, H] or None)``.
-        method: ``"grouped"``, ``"loop"`` or ``"auto"`` (grouped where it runs).
+        method: ``"grouped"``, ``"loop"``, ``"wmma"`` or ``"auto"`` (:data:`MOE_PREFILL_GEMM`
+            if set, else grouped where it runs, else wmma where it fits, else loop).
 
     Returns:
         ``[T, H]`` in ``x.dtype`` (this rank's partial sum, before the all-reduce).
     """
+    global _grouped_gemm_ok
+    library = "grouped" if moe.grouped_mm_available(x.device, x.dtype) else "loop"
+    fused = use_cuda(x) and _moe_prefill_fits(x, router_logits, w13, w2, shared, top_k)
+    wmma_ok = fused and _grouped_gemm_ok and _grouped_gemm_fits(x, w13, w2)
     if method == "auto":
-        method = "grouped" if moe.grouped_mm_available(x.device, x.dtype) else "loop"
-    if use_cuda(x) and _moe_prefill_fits(x, router_logits, w13, w2, shared, top_k):
+        method = MOE_PREFILL_GEMM
+    if method == "auto":  # see MOE_PREFILL_GEMM
+        method = "wmma" if library == "loop" and wmma_ok else library
+    if method == "wmma" and not wmma_ok:
+        method = library
+    if fused:
         _used("moe_prefill" if shared is None else "moe_prefill_with_shared")
         ops = torch.ops.vo_kernels
         w, ids, counts, slot = ops.moe_route_count(router_logits, top_k, renormalize)
-        xs, ws, inverse, ends = ops.moe_permute(x, w, ids, counts, slot)
-        if method == "grouped":
-            h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
-            y = torch._grouped_mm(ops.moe_act(h, ws), w2.transpose(1, 2), offs=ends)
-        else:
-            y = _expert_loop(xs, ws, ends, w13, w2)
+        y = None
+        if method == "wmma":  # our grouped GEMMs: x's rows gathered in place, no host sync
+            src, ws, inverse, ends, tiles = ops.moe_order(w, ids, counts, slot)
+            try:
+                y = _grouped_gemms(x, src, w13, w2, ends, tiles, ws)
+                _used("moe_grouped_gemm")
+            except RuntimeError as e:
+                # A device that refuses the launch (shared memory, registers) must not fail
+                # requests: the library path serves this and every later call.
+                _grouped_gemm_ok = False
+                logger.warning(
+                    "MoE grouped GEMM kernel failed, %s path from now on: %s", library, e
+                )
+                method = library
+        if y is None:
+            xs, ws, inverse, ends = ops.moe_permute(x, w, ids, counts, slot)
+            if method == "grouped":
+                h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
+                y = torch._grouped_mm(ops.moe_act(h, ws), w2.transpose(1, 2), offs=ends)
+            else:
+                y = _expert_loop(xs, ws, ends, w13, w2)
         sh_out = sh_gate = None
         if shared is not None:
             gate_up, down, gate = shared
@@ -697,6 +737,41 @@ def _expert_loop(
         if bounds[e] < bounds[e + 1]:
             torch.mm(act[bounds[e] : bounds[e + 1]], w2[e].t(), out=y[bounds[e] : bounds[e + 1]])
     return y
+
+
+def _grouped_gemms(
+    x: torch.Tensor,
+    src: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ends: torch.Tensor,
+    tiles: torch.Tensor,
+    ws: torch.Tensor,
+) -> torch.Tensor:
+    """gate/up (x's rows gathered, silu(gate) * up * weight) then down: [P, H] in expert order.
+    A seam for the fallback test."""
+    ops = torch.ops.vo_kernels
+    act = ops.moe_grouped_gemm(x, src, w13, ends, tiles, ws)
+    return ops.moe_grouped_gemm(act, None, w2, ends, tiles, None)
+
+
+def _grouped_gemm_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """``moe_grouped_gemm``'s shapes: 16-bit operands (bf16 from compute capability 8), K of
+    both GEMMs (H, I) a multiple of 32, N of both (2I, H) a multiple of 128, weights contiguous."""
+    E, I2, H = w13.shape
+    return (
+        x.dtype in (torch.float16, torch.bfloat16)
+        and (x.dtype != torch.bfloat16 or x.device.type != "cuda" or _bf16_mma(x.device))
+        and H % 128 == 0
+        and I2 % 128 == 0
+        and w2.shape == (E, H, I2 // 2)
+        and w13.is_contiguous()
+        and w2.is_contiguous()
+    )
+
+
+def _bf16_mma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _moe_prefill_fits(
@@ -856,6 +931,25 @@ def _register_fakes() -> None:
             x.new_empty(P, dtype=torch.int64),
             x.new_empty(counts.shape[0], dtype=torch.int32),
         )
+
+    @torch.library.register_fake(lib + "moe_order")
+    def _(
+        w: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, slot: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        P, E = ids.numel(), counts.shape[0]
+        return (
+            w.new_empty(P, dtype=torch.int32),
+            w.new_empty(P),
+            w.new_empty(P, dtype=torch.int64),
+            w.new_empty(E, dtype=torch.int32),
+            w.new_empty(E + 1, dtype=torch.int32),
+        )
+
+    @torch.library.register_fake(lib + "moe_grouped_gemm")
+    def _(a: torch.Tensor, src: torch.Tensor | None, w: torch.Tensor, *args: Any) -> torch.Tensor:
+        if src is None:
+            return a.new_empty(a.shape[0], w.shape[1])
+        return a.new_empty(src.shape[0], w.shape[1] // 2)
 
     @torch.library.register_fake(lib + "moe_act")
     def _(h: torch.Tensor, ws: torch.Tensor | None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 // Shared by every kernel source of vo_native_kernels (native_kernels.cu: decode; moe_prefill.cu,
-// gdn_chunk.cu: prefill): the platform switch (CUDA or the host-thread test build), dtype
-// dispatch, block sizes and the reductions.
+// moe_grouped_gemm.cu, gdn_conv.cu, gdn_chunk.cu: prefill): the platform switch (CUDA or the
+// host-thread test build), dtype dispatch, block sizes, the reductions and the wmma types.
 //
 // Portability rules (the target is a CUDA-compatible, Triton-less card with 64-lane warps):
 // plain CUDA C++ only -- no Triton, no CUTLASS/CuTe, no inline PTX; no warp size is assumed
@@ -26,10 +26,14 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
 #define VO_DISPATCH_KEY CUDA
 #define VO_ON_DEVICE(t) (t).is_cuda()
 #define VO_DEVICE_GUARD(t) const c10::cuda::OptionalCUDAGuard vo_guard_((t).device())
 #define VO_SM_COUNT(t) at::cuda::getDeviceProperties((t).get_device())->multiProcessorCount
+#define VO_WARP_SIZE(t) at::cuda::getDeviceProperties((t).get_device())->warpSize
 #define VO_DYN_SMEM(type, name) extern __shared__ type name[]
 // The launch check turns a launch the device refuses (too much shared memory, too many
 // registers for the block) into an exception at the call -- which the Python side can answer
@@ -59,7 +63,9 @@ constexpr int kBlock = VO_BLOCK_THREADS;  // threads per block in every kernel (
 #endif
 // GDN decode blocks are larger: one block per (sequence, key head) walks all R * V state rows.
 constexpr int kGdnBlock = VO_GDN_BLOCK_THREADS;
-constexpr int kMaxWarps = 32;  // largest block (1024) / smallest warp we accept (32)
+constexpr int kMaxWarps = 32;
+// Rows of one tile of the MoE grouped GEMM (moe_grouped_gemm.cu); moe_order maps its grid.
+constexpr int kGroupedTileRows = 128;  // largest block (1024) / smallest warp we accept (32)
 
 template <typename T>
 __device__ __forceinline__ float to_f(T v) {
@@ -232,5 +238,60 @@ __device__ __forceinline__ int owner_of(const I* __restrict__ starts, int N, int
   }
   return lo;
 }
+
+// ------------------------------------------------------------------------------------------
+// Tensor cores through nvcuda::wmma 16x16x16 tiles (the portable form: no PTX, no CUTLASS;
+// the emulation models it), shared by the GDN chunk and the MoE grouped-GEMM kernels.
+// ------------------------------------------------------------------------------------------
+
+namespace wmma = nvcuda::wmma;
+
+// The 16-bit operand type for input T and its conversions (explicit intrinsics: torch builds
+// define __CUDA_NO_HALF_CONVERSIONS__). The emulation uses at::Half / at::BFloat16 themselves.
+template <typename T>
+struct Mma;
+#ifdef VO_CPU_EMULATION
+template <typename T>
+struct MmaEmu {
+  using type = T;
+  static type from(float f) { return static_cast<T>(f); }
+  static float to(type v) { return static_cast<float>(v); }
+};
+template <>
+struct Mma<at::Half> : MmaEmu<at::Half> {};
+template <>
+struct Mma<at::BFloat16> : MmaEmu<at::BFloat16> {};
+#else
+template <>
+struct Mma<at::Half> {
+  using type = __half;
+  static __device__ __forceinline__ type from(float f) { return __float2half_rn(f); }
+  static __device__ __forceinline__ float to(type v) { return __half2float(v); }
+};
+template <>
+struct Mma<at::BFloat16> {
+  using type = __nv_bfloat16;
+  static __device__ __forceinline__ type from(float f) { return __float2bfloat16_rn(f); }
+  static __device__ __forceinline__ float to(type v) { return __bfloat162float(v); }
+};
+#endif
+
+// bf16 wmma needs sm_80; the host routes bf16 to the float32 kernels below that, and these
+// kernels trap if ever launched there (the bf16 fragment types do not exist for those archs).
+template <typename T>
+__device__ constexpr bool mma_arch_ok() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  return !std::is_same<T, at::BFloat16>::value;
+#else
+  return true;
+#endif
+}
+
+#ifdef VO_CPU_EMULATION
+#define VO_MMA_SMEM(name) VO_DYN_SMEM(unsigned char, name)
+#else
+// wmma wants 256-bit aligned tile pointers: the kernels start every region on 128 bytes.
+#define VO_MMA_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
 
 }  // namespace

@@ -5,6 +5,7 @@
 #define VO_CPU_EMULATION 1
 #include "gdn_chunk.cu"
 #include "gdn_conv.cu"
+#include "moe_grouped_gemm.cu"
 #include "moe_prefill.cu"
 #include "native_kernels.cu"
 

@@ -282,6 +282,7 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
 #define VO_DEVICE_GUARD(t) (void)(t)
 // An H200's SM count, so that the tests' batch sizes take both of a kernel's grid layouts.
 #define VO_SM_COUNT(t) ((void)(t), 132)
+#define VO_WARP_SIZE(t) ((void)(t), warpSize)
 #define VO_DYN_SMEM(type, name) type* name = reinterpret_cast<type*>(vo_emu::current->smem.data())
 #define VO_LAUNCH(kernel, grid, block, smem, ...) \
   vo_emu::launch(dim3(grid), dim3(block), (smem), [&] { kernel(__VA_ARGS__); })

@@ -55,12 +55,6 @@
 // test build runs these kernels with cpu_emulation.h's wmma model.
 #include "common.cuh"
 
-#ifndef VO_CPU_EMULATION
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <mma.h>
-#endif
-
 // The kernels are written for exactly kBlock threads (per-thread accumulator counts are
 // compile-time); telling the compiler lets it budget registers for that block size.
 #ifdef VO_CPU_EMULATION
@@ -510,55 +504,6 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_output_kernel(
 // nvcuda::wmma 16x16x16 tiles, 16-bit operands of the input's type, float accumulation.
 // ------------------------------------------------------------------------------------------
 
-namespace wmma = nvcuda::wmma;
-
-// The 16-bit operand type for input T and its conversions (explicit intrinsics: torch builds
-// define __CUDA_NO_HALF_CONVERSIONS__). The emulation uses at::Half / at::BFloat16 themselves.
-template <typename T>
-struct Mma;
-#ifdef VO_CPU_EMULATION
-template <typename T>
-struct MmaEmu {
-  using type = T;
-  static type from(float f) { return static_cast<T>(f); }
-  static float to(type v) { return static_cast<float>(v); }
-};
-template <>
-struct Mma<at::Half> : MmaEmu<at::Half> {};
-template <>
-struct Mma<at::BFloat16> : MmaEmu<at::BFloat16> {};
-#else
-template <>
-struct Mma<at::Half> {
-  using type = __half;
-  static __device__ __forceinline__ type from(float f) { return __float2half_rn(f); }
-  static __device__ __forceinline__ float to(type v) { return __half2float(v); }
-};
-template <>
-struct Mma<at::BFloat16> {
-  using type = __nv_bfloat16;
-  static __device__ __forceinline__ type from(float f) { return __float2bfloat16_rn(f); }
-  static __device__ __forceinline__ float to(type v) { return __bfloat162float(v); }
-};
-#endif
-
-// bf16 wmma needs sm_80; the host routes bf16 to the float32 kernels below that, and these
-// kernels trap if ever launched there (the bf16 fragment types do not exist for those archs).
-template <typename T>
-__device__ constexpr bool mma_arch_ok() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  return !std::is_same<T, at::BFloat16>::value;
-#else
-  return true;
-#endif
-}
-
-#ifdef VO_CPU_EMULATION
-#define VO_GDN_SMEM(name) VO_DYN_SMEM(unsigned char, name)
-#else
-// wmma wants 256-bit aligned tile pointers: every region below starts on 128 bytes.
-#define VO_GDN_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
-#endif
 
 template <typename M>
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, M, wmma::row_major>;
@@ -809,7 +754,7 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
     using M = typename Mma<T>::type;
     constexpr int C = kChunk;
     const int K = KD ? KD : K_, V = VD ? VD : V_;  // see kDimsFixed
-    VO_GDN_SMEM(smb);
+    VO_MMA_SMEM(smb);
     const PrepLayout L(K, V);
     float* G = reinterpret_cast<float*>(smb);
     float* Bt = G + C;
@@ -965,7 +910,7 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
   } else {
     using M = typename Mma<T>::type;
     constexpr int C = kChunk, vs = kMmaVs, K = KD;
-    VO_GDN_SMEM(smb);
+    VO_MMA_SMEM(smb);
     const StateLayout L(K, vs);
     M* buf = reinterpret_cast<M*>(smb);  // [C][K + 8]: W
     M* kb = reinterpret_cast<M*>(smb + L.kt);  // [C][K + 8]: K~
@@ -1169,7 +1114,7 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
     using M = typename Mma<T>::type;
     constexpr int C = kChunk;
     const int K = KD ? KD : K_, V = VD ? VD : V_;  // see kDimsFixed
-    VO_GDN_SMEM(smb);
+    VO_MMA_SMEM(smb);
     const OutLayout L(K, V);
     float* G = reinterpret_cast<float*>(smb);
     float* rq = G + C;

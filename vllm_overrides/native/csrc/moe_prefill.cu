@@ -15,6 +15,8 @@
 //   3. moe_act -- silu(gate) * up * routing weight, rounded once;
 //   4. moe_combine -- out[t] = sum_j y[inverse[t, j]] (float32, fixed j order), plus the shared
 //      expert's output times sigmoid of its gate, in one pass over y.
+// With our own grouped GEMMs (moe_grouped_gemm.cu), moe_order replaces 2 (the same places, no
+// row moved: the gate/up GEMM gathers x's rows itself) and the GEMM's epilogue replaces 3.
 #include "common.cuh"
 
 namespace {
@@ -75,29 +77,49 @@ __global__ void moe_route_kernel(const T* __restrict__ logits, int64_t s_row, in
 
 constexpr int kPermuteTokens = 4;
 
+// Inclusive scan of buf[0 .. E) in place of a double buffer buf[0 .. 2E) (Hillis-Steele:
+// log2(E) rounds); returns where the result sits. Block-collective, behind a barrier.
+__device__ __forceinline__ const int* block_scan(int* buf, int E) {
+  int src = 0;
+  for (int s = 1; s < E; s <<= 1) {
+    const int* in = buf + src * E;
+    int* out = buf + (1 - src) * E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) out[e] = in[e] + (e >= s ? in[e - s] : 0);
+    __syncthreads();
+    src = 1 - src;
+  }
+  return buf + src * E;
+}
+
+// With x == nullptr no row moves (moe_order): `src` gets each expert-order row's token and
+// block 0 writes `tile_starts` [E + 1], the first kGroupedTileRows-row tile of each expert's
+// group (the grouped GEMM's grid map), instead.
 template <typename T>
 __global__ void moe_permute_kernel(const T* __restrict__ x, int64_t s_x, int H,
                                    const float* __restrict__ w, const int64_t* __restrict__ ids,
                                    const int* __restrict__ counts, const int* __restrict__ slot,
                                    int E, int top_k, int64_t T_, T* __restrict__ xs,
                                    float* __restrict__ ws, int64_t* __restrict__ inverse,
-                                   int* __restrict__ ends) {
-  VO_DYN_SMEM(int, scan);  // 2 * E ints: a double-buffered inclusive scan of the counts
-  int64_t* pos = reinterpret_cast<int64_t*>(scan + 2 * E);  // [kPermuteTokens * top_k]
+                                   int* __restrict__ ends, int* __restrict__ src,
+                                   int* __restrict__ tile_starts) {
+  VO_DYN_SMEM(int, scan);  // 4 * E ints: two double-buffered scans
+  int64_t* pos = reinterpret_cast<int64_t*>(scan + 4 * E);  // [kPermuteTokens * top_k]
   const int tid = threadIdx.x;
   for (int e = tid; e < E; e += blockDim.x) scan[e] = counts[e];
   __syncthreads();
-  int src = 0;
-  for (int s = 1; s < E; s <<= 1) {  // Hillis-Steele: log2(E) rounds
-    const int* in = scan + src * E;
-    int* out = scan + (1 - src) * E;
-    for (int e = tid; e < E; e += blockDim.x) out[e] = in[e] + (e >= s ? in[e - s] : 0);
-    __syncthreads();
-    src = 1 - src;
-  }
-  const int* incl = scan + src * E;  // group ends; the start of group e is incl[e] - counts[e]
-  if (blockIdx.x == 0)
+  const int* incl = block_scan(scan, E);  // group ends; group e starts at incl[e] - counts[e]
+  if (blockIdx.x == 0) {
     for (int e = tid; e < E; e += blockDim.x) ends[e] = incl[e];
+    if (tile_starts != nullptr) {  // block-uniform
+      int* tiles = scan + 2 * E;
+      for (int e = tid; e < E; e += blockDim.x)
+        tiles[e] = (counts[e] + kGroupedTileRows - 1) / kGroupedTileRows;
+      __syncthreads();
+      const int* tincl = block_scan(tiles, E);
+      if (tid == 0) tile_starts[0] = 0;
+      for (int e = tid; e < E; e += blockDim.x) tile_starts[e + 1] = tincl[e];
+    }
+  }
   constexpr int N = Vec<T>::N;
   for (int64_t t0 = blockIdx.x * (int64_t)kPermuteTokens; t0 < T_;
        t0 += (int64_t)gridDim.x * kPermuteTokens) {
@@ -109,7 +131,9 @@ __global__ void moe_permute_kernel(const T* __restrict__ x, int64_t s_x, int H,
       pos[i] = q;
       ws[q] = w[p];
       inverse[p] = q;
+      if (src != nullptr) src[q] = static_cast<int>(t0 + i / top_k);
     }
+    if (x == nullptr) continue;  // block-uniform: moe_order moves no rows
     __syncthreads();
     for (int c = tid * N; c < H; c += blockDim.x * N) {
       uint4 v[kPermuteTokens];
@@ -240,35 +264,63 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_count(
   return route(logits, top_k, renormalize, true);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_permute(
+// moe_permute, or with x undefined moe_order: (xs or src, ws, inverse, ends, tile_starts).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute(
     const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids, const at::Tensor& counts,
     const at::Tensor& slot) {
-  TORCH_CHECK(VO_ON_DEVICE(x) && x.dim() == 2 && x.stride(1) == 1, "moe_permute: x [T, H]");
-  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), E = counts.size(0);
-  TORCH_CHECK(vec_ok(x, H) && (x.stride(0) * x.element_size()) % 16 == 0,
-              "moe_permute: rows of x must be 16-byte vectors");
+  const bool rows = x.defined();
+  const at::Tensor& dev = rows ? x : w;
+  TORCH_CHECK(VO_ON_DEVICE(dev), "moe_permute / moe_order: tensors on the kernels' device");
+  const int64_t T = ids.size(0), k = ids.size(1), E = counts.size(0);
+  const int64_t H = rows ? x.size(1) : 0;
+  if (rows) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) == T, "moe_permute: x [T, H]");
+    TORCH_CHECK(vec_ok(x, H) && (x.stride(0) * x.element_size()) % 16 == 0,
+                "moe_permute: rows of x must be 16-byte vectors");
+  }
   TORCH_CHECK(w.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong &&
                   counts.scalar_type() == at::kInt && slot.scalar_type() == at::kInt &&
                   w.is_contiguous() && ids.is_contiguous() && slot.is_contiguous() &&
-                  ids.size(0) == T && w.sizes() == ids.sizes() && slot.sizes() == ids.sizes() &&
+                  ids.dim() == 2 && w.sizes() == ids.sizes() && slot.sizes() == ids.sizes() &&
                   E <= 1024,
               "moe_permute: w [T, k] float32, ids [T, k] int64, counts [E] int32, slot int32");
-  VO_DEVICE_GUARD(x);
+  TORCH_CHECK(T * k < (int64_t{1} << 31), "moe_order: fewer than 2^31 pairs");
+  VO_DEVICE_GUARD(dev);
   const int64_t P = T * k;
-  auto xs = at::empty({P, H}, x.options());
-  auto ws = at::empty({P}, x.options().dtype(at::kFloat));
-  auto inverse = at::empty({P}, x.options().dtype(at::kLong));
-  auto ends = at::empty({E}, x.options().dtype(at::kInt));
-  VO_DISPATCH_FLOATS(x.scalar_type(), "moe_permute", [&] {
+  auto xs = rows ? at::empty({P, H}, x.options()) : at::empty({P}, w.options().dtype(at::kInt));
+  auto ws = at::empty({P}, w.options());
+  auto inverse = at::empty({P}, w.options().dtype(at::kLong));
+  auto ends = at::empty({E}, w.options().dtype(at::kInt));
+  at::Tensor tile_starts;
+  if (!rows) tile_starts = at::empty({E + 1}, w.options().dtype(at::kInt));
+  const auto dtype = rows ? x.scalar_type() : at::kFloat;
+  VO_DISPATCH_FLOATS(dtype, "moe_permute", [&] {
     VO_LAUNCH(moe_permute_kernel<scalar_t>,
         grid_for((T + kPermuteTokens - 1) / kPermuteTokens, 2048), kBlock,
-        2 * E * sizeof(int) + kPermuteTokens * k * sizeof(int64_t),
-        x.data_ptr<scalar_t>(), x.stride(0), static_cast<int>(H), w.data_ptr<float>(),
-        ids.data_ptr<int64_t>(), counts.data_ptr<int>(), slot.data_ptr<int>(),
-        static_cast<int>(E), static_cast<int>(k), T, xs.data_ptr<scalar_t>(),
-        ws.data_ptr<float>(), inverse.data_ptr<int64_t>(), ends.data_ptr<int>());
+        4 * E * sizeof(int) + kPermuteTokens * k * sizeof(int64_t),
+        rows ? x.data_ptr<scalar_t>() : nullptr, rows ? x.stride(0) : 0, static_cast<int>(H),
+        w.data_ptr<float>(), ids.data_ptr<int64_t>(), counts.data_ptr<int>(),
+        slot.data_ptr<int>(), static_cast<int>(E), static_cast<int>(k), T,
+        rows ? xs.data_ptr<scalar_t>() : nullptr, ws.data_ptr<float>(),
+        inverse.data_ptr<int64_t>(), ends.data_ptr<int>(), rows ? nullptr : xs.data_ptr<int>(),
+        rows ? nullptr : tile_starts.data_ptr<int>());
   });
-  return {xs, ws, inverse, ends};
+  return {xs, ws, inverse, ends, tile_starts};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_permute(
+    const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids, const at::Tensor& counts,
+    const at::Tensor& slot) {
+  TORCH_CHECK(x.defined(), "moe_permute: x [T, H]");
+  auto r = permute(x, w, ids, counts, slot);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+}
+
+// The expert order without moving rows, for the grouped GEMM that gathers them itself.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_order(
+    const at::Tensor& w, const at::Tensor& ids, const at::Tensor& counts,
+    const at::Tensor& slot) {
+  return permute(at::Tensor(), w, ids, counts, slot);
 }
 
 at::Tensor moe_act(const at::Tensor& h, const c10::optional<at::Tensor>& ws) {
@@ -331,6 +383,8 @@ TORCH_LIBRARY_FRAGMENT(vo_kernels, m) {
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_permute(Tensor x, Tensor w, Tensor ids, Tensor counts, Tensor slot)"
         " -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_order(Tensor w, Tensor ids, Tensor counts, Tensor slot)"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_act(Tensor h, Tensor? ws) -> Tensor");
   m.def("moe_combine(Tensor y, Tensor inverse, int top_k, Tensor? add, Tensor? add_gate)"
         " -> Tensor");
@@ -340,6 +394,7 @@ TORCH_LIBRARY_IMPL(vo_kernels, VO_DISPATCH_KEY, m) {
   m.impl("moe_route", &moe_route);
   m.impl("moe_route_count", &moe_route_count);
   m.impl("moe_permute", &moe_permute);
+  m.impl("moe_order", &moe_order);
   m.impl("moe_act", &moe_act);
   m.impl("moe_combine", &moe_combine);
 }

@@ -1,5 +1,6 @@
 """Builds the ``vo_native_kernels`` wheel: the fused kernels of ``*.cu``
-(``native_kernels.cu``: decode; ``moe_prefill.cu``, ``gdn_chunk.cu``: prefill).
+(``native_kernels.cu``: decode; ``moe_prefill.cu``, ``moe_grouped_gemm.cu``, ``gdn_conv.cu``,
+``gdn_chunk.cu``: prefill).
 
 Run through ``scripts/build_kernels_wheel.sh`` (``pip wheel --no-build-isolation``), in the
 environment whose torch the wheel is for: a torch extension is tied to that torch's version and

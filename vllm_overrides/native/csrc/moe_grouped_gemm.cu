@@ -1,0 +1,255 @@
+// The routed experts' grouped GEMMs of MoE prefill on tensor cores
+// (vllm_overrides.native.kernels.moe_prefill, method "wmma").
+//
+// Rows sit in expert order (moe_order: expert e owns rows [ends[e-1], ends[e])); each expert's
+// weight is w[e] [N, K] (vLLM's layouts, K contiguous). One block computes a 128-row tile of one
+// expert's group against 128 weight rows, so no host sync and no grouped-GEMM library is needed:
+//   gate/up (kGather, kAct): the tile's A rows are x's token rows src[q] read in place (no copy
+//     of x into expert order), its weight rows are 64 gate rows n0 + j and the 64 matching up
+//     rows I + n0 + j, and the epilogue writes silu(gate) * up * ws[q], rounded once: [P, I];
+//   down: A is that [P, I] product, the weight rows n0 .. n0 + 127, out [P, N].
+// Products are nvcuda::wmma 16x16x16 tiles in the input's 16-bit type with float accumulation.
+// K advances 32 at a time through two shared-memory stages: the next step's 16-byte vectors
+// load into registers while the current step's products run, one barrier a step.
+//
+// The block has kWarps warps of whatever width the device has (8 x warpSize threads: 256 on
+// NVIDIA, 512 with 64-lane warps); warp w computes rows 32 (w % 4) .. + 31 against weight
+// rows 32 (w / 4) .. + 31 of each 64-row half, 2 x 4 accumulator tiles. The grid's x is
+// (tile, column block) pairs with the column block fastest, so the blocks sharing an A tile
+// and those sharing an expert's weights run together; tiles past the last expert's return.
+#include "common.cuh"
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kTM = kGroupedTileRows;  // 128 rows a tile
+constexpr int kTN = 128;               // weight rows a tile (two halves of 64)
+constexpr int kTK = 32;                // K a step
+constexpr int kLdS = kTK + 8;          // stage row pitch: 80 bytes, rows shift banks by 16
+constexpr int kStageElems = (kTM + kTN) * kLdS;
+constexpr int kVecs = (kTM + kTN) * kTK / 8;  // 16-byte vectors a stage (A rows, then B)
+constexpr int kMaxVecsPerThread = kVecs / (kWarps * 32);  // 32: the narrowest warp
+static_assert(kTM == 128 && kVecs % (kWarps * 32) == 0, "tile shape");
+
+template <typename M>
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, M, wmma::row_major>;
+template <typename M>
+using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, M, wmma::col_major>;
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+template <typename T, bool kGather, bool kAct>
+__global__ void
+#ifndef VO_CPU_EMULATION
+__launch_bounds__(kWarps * 64)  // 64-lane warps at most: <= 128 registers on NVIDIA's 256
+#endif
+moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restrict__ src,
+                        const T* __restrict__ w, int N, int K, const int* __restrict__ ends,
+                        const int* __restrict__ tile_starts, int E, const float* __restrict__ ws,
+                        int col_blocks, T* __restrict__ out, int64_t s_out) {
+  if constexpr (!mma_arch_ok<T>()) {
+    __trap();
+  } else {
+    using M = typename Mma<T>::type;
+    VO_MMA_SMEM(smb);
+    M* stage = reinterpret_cast<M*>(smb);  // [2][kTM + kTN][kLdS]
+    const int tid = threadIdx.x, nthreads = blockDim.x;
+    const int warp = tid / warpSize, lane = tid % warpSize;
+    const int tile = blockIdx.x / col_blocks, cb = blockIdx.x % col_blocks;
+    if (tile >= tile_starts[E]) return;
+    const int e = owner_of(tile_starts, E, tile);
+    const int g0 = e > 0 ? ends[e - 1] : 0, g1 = ends[e];
+    const int r0 = g0 + (tile - tile_starts[e]) * kTM;
+    const int rows = g1 - r0 < kTM ? g1 - r0 : kTM;
+    // Weight rows of the two halves: gate n0 + j and up I + n0 + j, or n0 + j and n0 + 64 + j.
+    const int n0 = cb * (kAct ? kTN / 2 : kTN), half2 = kAct ? N / 2 : kTN / 2;
+    const T* we = w + static_cast<int64_t>(e) * N * K;
+
+    // This thread's vectors of a stage: source pointers fixed for the whole K walk.
+    const T* vp[kMaxVecsPerThread];
+    int vdst[kMaxVecsPerThread];
+#pragma unroll
+    for (int i = 0; i < kMaxVecsPerThread; ++i) {
+      const int v = tid + i * nthreads;
+      vp[i] = nullptr;
+      vdst[i] = -1;
+      if (v < kVecs) {
+        const int r = v / (kTK / 8), c = (v % (kTK / 8)) * 8;
+        vdst[i] = r * kLdS + c;
+        if (r < kTM) {
+          if (r < rows) {
+            const int q = r0 + r;
+            vp[i] = a + (kGather ? static_cast<int64_t>(src[q]) : q) * s_a + c;
+          }
+        } else {
+          const int j = r - kTM;
+          const int n = j < kTN / 2 ? n0 + j : half2 + n0 + j - kTN / 2;
+          vp[i] = we + static_cast<int64_t>(n) * K + c;
+        }
+      }
+    }
+    uint4 reg[kMaxVecsPerThread];
+    auto fetch = [&](int k0) {
+#pragma unroll
+      for (int i = 0; i < kMaxVecsPerThread; ++i)
+        reg[i] = vp[i] != nullptr ? *reinterpret_cast<const uint4*>(vp[i] + k0)
+                                  : uint4{0u, 0u, 0u, 0u};
+    };
+    auto put = [&](int s) {
+      M* st = stage + s * kStageElems;
+#pragma unroll
+      for (int i = 0; i < kMaxVecsPerThread; ++i)
+        if (vdst[i] >= 0) *reinterpret_cast<uint4*>(st + vdst[i]) = reg[i];
+    };
+
+    // Warp tiles: rows 32 wm .. + 31, weight rows 32 wn .. + 31 of each half (kWarps = 8).
+    FragC acc[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+    const int wm = warp % 4, wn = warp / 4;
+    const int steps = K / kTK;
+    fetch(0);
+    put(0);
+    __syncthreads();
+    for (int s = 0; s < steps; ++s) {
+      if (s + 1 < steps) fetch((s + 1) * kTK);
+      const M* st = stage + (s & 1) * kStageElems;
+      {
+#pragma unroll
+        for (int kk = 0; kk < kTK; kk += 16) {
+          FragA<M> fa[2];
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            wmma::load_matrix_sync(fa[i], st + (wm * 32 + i * 16) * kLdS + kk, kLdS);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {  // one B fragment live at a time (registers)
+            FragBt<M> fb;
+            const int br = (j < 2 ? 0 : kTN / 2) + wn * 32 + (j % 2) * 16;
+            wmma::load_matrix_sync(fb, st + (kTM + br) * kLdS + kk, kLdS);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
+          }
+        }
+      }
+      if (s + 1 < steps) put((s + 1) & 1);
+      __syncthreads();
+    }
+
+    // Epilogue through two 16x16 float tiles per warp (the stages are free now), in runs of 8
+    // columns: one 16-byte store each (32 runs a tile; lanes past 32 sit out).
+    float* scr = reinterpret_cast<float*>(smb) + warp * 512;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int rt = wm * 32 + i * 16;  // tile row of the fragment's first row
+#pragma unroll
+      for (int j = 0; j < (kAct ? 2 : 4); ++j) {
+        wmma::store_matrix_sync(scr, acc[i][j], 16, wmma::mem_row_major);
+        if (kAct) wmma::store_matrix_sync(scr + 256, acc[i][j + 2], 16, wmma::mem_row_major);
+        __syncwarp();
+        for (int u = lane; u < 32; u += warpSize) {
+          const int r = u / 2, c8 = (u % 2) * 8;
+          if (rt + r < rows) {
+            const int q = r0 + rt + r;
+            float f[8];
+            if (kAct) {
+              const float wq = ws[q];
+#pragma unroll
+              for (int t = 0; t < 8; ++t)
+                f[t] = silu_f(scr[r * 16 + c8 + t]) * scr[256 + r * 16 + c8 + t] * wq;
+            } else {
+#pragma unroll
+              for (int t = 0; t < 8; ++t) f[t] = scr[r * 16 + c8 + t];
+            }
+            const int col = kAct ? n0 + wn * 32 + j * 16 + c8
+                                 : n0 + (j < 2 ? 0 : kTN / 2) + wn * 32 + (j % 2) * 16 + c8;
+            store_vec(out + static_cast<int64_t>(q) * s_out + col, f);
+          }
+        }
+        __syncwarp();
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host wrapper
+// ------------------------------------------------------------------------------------------
+
+// gate/up (src given): out [P, N / 2] = silu(x[src] w[e][:N/2]^T) * (x[src] w[e][N/2:]^T) * ws;
+// down (no src): out [P, N] = a w[e]^T, P = a's rows. ends / tile_starts from moe_order.
+at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>& src,
+                            const at::Tensor& w, const at::Tensor& ends,
+                            const at::Tensor& tile_starts, const c10::optional<at::Tensor>& ws) {
+  const bool gather = src.has_value();
+  TORCH_CHECK(VO_ON_DEVICE(a) && a.dim() == 2 && a.stride(1) == 1 && w.dim() == 3 &&
+                  w.is_contiguous() && w.scalar_type() == a.scalar_type() &&
+                  (a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16),
+              "moe_grouped_gemm: a [rows, K] and w [E, N, K] contiguous, both fp16 or bf16");
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
+  TORCH_CHECK(a.size(1) == K && K % kTK == 0 && (a.stride(0) * a.element_size()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0,
+              "moe_grouped_gemm: K a multiple of 32, rows of a 16-byte aligned");
+  TORCH_CHECK(N % kTN == 0,
+              "moe_grouped_gemm: N a multiple of 128 (gate/up: I a multiple of 64)");
+  TORCH_CHECK(ends.scalar_type() == at::kInt && ends.numel() == E &&
+                  tile_starts.scalar_type() == at::kInt && tile_starts.numel() == E + 1 &&
+                  ends.is_contiguous() && tile_starts.is_contiguous(),
+              "moe_grouped_gemm: ends [E], tile_starts [E + 1] int32 (moe_order)");
+  TORCH_CHECK(gather == ws.has_value(), "moe_grouped_gemm: src and ws come together (gate/up)");
+  int64_t P = a.size(0);
+  if (gather) {
+    TORCH_CHECK(src->scalar_type() == at::kInt && src->dim() == 1 && src->is_contiguous() &&
+                    ws->scalar_type() == at::kFloat && ws->is_contiguous() &&
+                    ws->numel() == src->numel(),
+                "moe_grouped_gemm: src [P] int32, ws [P] float32");
+    P = src->numel();
+  }
+#ifndef VO_CPU_EMULATION
+  if (a.scalar_type() == at::kBFloat16) {  // bf16 fragments need sm_80 (the caller checks too)
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                          a.device().index()));
+    TORCH_CHECK(major >= 8, "moe_grouped_gemm: bf16 needs compute capability 8.0");
+  }
+#endif
+  VO_DEVICE_GUARD(a);
+  const int64_t cols = gather ? N / 2 : N;
+  auto out = at::empty({P, cols}, a.options());
+  if (P == 0) return out;
+  const int64_t col_blocks = N / kTN;  // gate/up: 64 of I's columns a block
+  const int64_t tiles = (P + kTM - 1) / kTM + E;  // each expert's last tile may be partial
+  TORCH_CHECK(tiles * col_blocks < (int64_t{1} << 31), "moe_grouped_gemm: grid too large");
+  const int threads = kWarps * VO_WARP_SIZE(a);
+  const size_t smem = 2 * kStageElems * sizeof(uint16_t);
+  auto run = [&](auto* tag) {
+    using S = std::remove_pointer_t<decltype(tag)>;
+    auto* kernel = gather ? &moe_grouped_gemm_kernel<S, true, true>
+                          : &moe_grouped_gemm_kernel<S, false, false>;
+#ifndef VO_CPU_EMULATION
+    if (smem > 48 * 1024)  // above the default: opt in
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+#endif
+    VO_LAUNCH(kernel, static_cast<unsigned>(tiles * col_blocks), threads, smem,
+        a.data_ptr<S>(), a.stride(0), gather ? src->data_ptr<int>() : nullptr, w.data_ptr<S>(),
+        static_cast<int>(N), static_cast<int>(K), ends.data_ptr<int>(), tile_starts.data_ptr<int>(),
+        static_cast<int>(E), gather ? ws->data_ptr<float>() : nullptr,
+        static_cast<int>(col_blocks), out.data_ptr<S>(), out.stride(0));
+  };
+  AT_DISPATCH_SWITCH(a.scalar_type(), "moe_grouped_gemm",
+      AT_DISPATCH_CASE(at::ScalarType::Half, [&] { run(static_cast<scalar_t*>(nullptr)); })
+      AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { run(static_cast<scalar_t*>(nullptr)); }));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vo_kernels, m) {
+  m.def("moe_grouped_gemm(Tensor a, Tensor? src, Tensor w, Tensor ends, Tensor tile_starts,"
+        " Tensor? ws) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vo_kernels, VO_DISPATCH_KEY, m) {
+  m.impl("moe_grouped_gemm", &moe_grouped_gemm);
+}

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""The MoE prefill GEMMs alone, one TP4 shard of Qwen3.6-35B-A3B (E 256, H 2048, I 128, top-8,
+bf16, 16K tokens): our grouped GEMMs (``moe_grouped_gemm``) beside torch._grouped_mm on the same
+routing, each timed by CUDA-graph replay, and the whole ``moe_prefill`` per method. For A/B runs
+of a kernel change: run it from each tree (its own JIT build).
+
+    NATIVE_KERNELS=cuda NATIVE_KERNELS_JIT=1 python3 worklogs/remote_scripts/moe_gemm_probe.py
+    ncu --kernel-name regex:moe_grouped_gemm --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats python3 worklogs/remote_scripts/moe_gemm_probe.py --once
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from vllm_overrides.native import kernels  # noqa: E402
+
+
+def graph_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median over 5 rounds of ``reps`` replays of one captured call, per call."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return sorted(times)[2]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--T", type=int, default=16384)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--label", default="")
+    p.add_argument("--json", default="")
+    p.add_argument("--once", action="store_true", help="each of our GEMMs once, eager (for ncu)")
+    a = p.parse_args()
+    assert kernels.extension_loaded(), kernels._load_error
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    T, E, H, I, k = a.T, 256, 2048, 128, 8  # noqa: E741
+    x = torch.randn(T, H, device=dev).to(dt)
+    logits = torch.randn(T, E, device=dev).to(dt)
+    w13 = (torch.randn(E, 2 * I, H, device=dev) * H**-0.5).to(dt)
+    w2 = (torch.randn(E, H, I, device=dev) * I**-0.5).to(dt)
+    ops = torch.ops.vo_kernels
+    w, ids, counts, slot = ops.moe_route_count(logits, k, True)
+    src, ws, inverse, ends, tiles = ops.moe_order(w, ids, counts, slot)
+    xs, ws_p, _, ends_p = ops.moe_permute(x, w, ids, counts, slot)
+    act = ops.moe_grouped_gemm(x, src, w13, ends, tiles, ws)
+    if a.once:
+        ops.moe_grouped_gemm(act, None, w2, ends, tiles, None)
+        torch.cuda.synchronize()
+        return 0
+    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends_p)
+    act_p = ops.moe_act(h, ws_p)
+    P = T * k
+    up, down = 4 * P * H * I, 2 * P * H * I
+    cases: dict[str, tuple[Callable[[], object], float]] = {
+        "order": (lambda: ops.moe_order(w, ids, counts, slot), 0.0),
+        "permute": (lambda: ops.moe_permute(x, w, ids, counts, slot), 0.0),
+        "wmma_gate_up": (lambda: ops.moe_grouped_gemm(x, src, w13, ends, tiles, ws), up),
+        "stock_gate_up": (lambda: torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends_p), up),
+        "act": (lambda: ops.moe_act(h, ws_p), 0.0),
+        "wmma_down": (lambda: ops.moe_grouped_gemm(act, None, w2, ends, tiles, None), down),
+        "stock_down": (lambda: torch._grouped_mm(act_p, w2.transpose(1, 2), offs=ends_p), down),
+    }
+    for m in ("grouped", "wmma"):
+        cases[f"moe_prefill_{m}"] = (
+            lambda m=m: kernels.moe_prefill(x, logits, k, True, w13, w2, None, m),
+            up + down,
+        )
+    out = {"label": a.label, "T": T, "gpu": torch.cuda.get_device_name(), "cases": {}}
+    print(f"{'case':<22} {'graph ms':>9} {'TF/s':>7}")
+    for name, (fn, fl) in cases.items():
+        ms = graph_ms(fn, a.reps)
+        row = {"graph_ms": ms, **({"TFps": fl / (ms * 1e-3) / 1e12} if fl else {})}
+        out["cases"][name] = row
+        print(f"{name:<22} {ms:9.4f} {row.get('TFps', float('nan')):7.1f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
