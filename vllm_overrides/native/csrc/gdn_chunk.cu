@@ -531,7 +531,7 @@ struct PrepLayout {  // vectors | X: k then v rows (16-bit) | A / T float, then 
   int x, a, scratch, total;
   __host__ __device__ PrepLayout(int K, int V) {
     const int D = K > V ? K : V;
-    x = round128(4 * kChunk * 4);
+    x = round128(5 * kChunk * 4);
     a = x + round128(kChunk * pitch16(D) * 2);
     const int abytes = kChunk * kLdA * 4, tbytes = 2 * kChunk * pitch16(kChunk) * 2;
     scratch = a + round128(abytes > tbytes ? abytes : tbytes);
@@ -564,16 +564,6 @@ struct OutLayout {
     total = vn + round128(kChunk * pitch16(V) * 2);
   }
 };
-
-// dst[r][0..D) = 16-bit(x row r), rows [0, C), zero past len (raw inputs: exact in their type).
-template <typename T, typename M>
-__device__ __forceinline__ void load_rows16(M* __restrict__ dst, int ld, const T* __restrict__ x,
-                                            int64_t stride, int len, int D) {
-  for (int e = threadIdx.x; e < kChunk * D; e += blockDim.x) {
-    const int r = e / D, c = e % D;
-    dst[r * ld + c] = Mma<T>::from(r < len ? to_f(x[r * stride + c]) : 0.f);
-  }
-}
 
 // 16-byte vectors of a [rows, D] 16-bit operand (row stride `stride` elements), in registers:
 // thread tid holds row e / (D / 8), columns (e % (D / 8)) * 8 .. + 7, for e = tid + r * kBlock
@@ -615,20 +605,36 @@ __device__ __forceinline__ void store_vecs(M* __restrict__ dst, int ld, const ui
   }
 }
 
-// The warp's accumulator tile through its scratch tile: put(r, c, value) for each element,
-// spread over the warp's lanes. Warp-collective.
-template <typename F>
-__device__ __forceinline__ void frag_out(const FragC& f, float* __restrict__ scr, F&& put) {
-  wmma::store_matrix_sync(scr, f, 16, wmma::mem_row_major);
-  __syncwarp();
-  for (int e = threadIdx.x % warpSize; e < 256; e += warpSize) put(e / 16, e % 16, scr[e]);
-  __syncwarp();
+constexpr int kRowVecs = kChunk * kMaxDim / 8 / kBlock;  // uint4 per thread: [C, D] operand
+constexpr int kStateVecs = kMaxDim * kMaxDim / 8 / kBlock;  // uint4 per thread: [V, K] h
+
+// Row factors of a [C, D] operand staged by load_vecs: rsqrt(|x|^2 + 1e-6) (l2) or 1, 0 at or
+// past row len. The D / 8 consecutive lanes holding a row (a power of two <= 16) sum their
+// squares; every thread takes part.
+template <typename T>
+__device__ __forceinline__ void vec_row_factors(const uint4 (&st)[kRowVecs], int D, int len,
+                                                bool l2, float* __restrict__ out) {
+  using M = typename Mma<T>::type;
+  const int per = D / 8;
+#pragma unroll
+  for (int r = 0; r < kRowVecs; ++r) {
+    const int e = threadIdx.x + r * kBlock, row = e / per;
+    float ss = 0.f;
+    if (l2) {
+      const M* y = reinterpret_cast<const M*>(&st[r]);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) ss += Mma<T>::to(y[u]) * Mma<T>::to(y[u]);
+      ss = group_sum(ss, per);  // uniform branch
+    }
+    if (e < kChunk * per && e % per == 0)
+      out[row] = row < len ? (l2 ? rsqrtf(ss + 1e-6f) : 1.f) : 0.f;
+  }
 }
 
-// frag_out by runs of 8: put8(r, c0, x) gets row r's columns c0 .. c0 + 7 (c0 = 0 or 8), so
-// the caller packs 16-byte stores (one 16-byte store instead of eight 2-byte ones, and one
-// call per lane instead of eight on 32-lane warps: fewer instructions on the state pass's
-// serial path). 32 runs per tile, so lanes past 32 sit out. Warp-collective; `scr` is the
+// The warp's accumulator tile through its scratch tile, by runs of 8: put8(r, c0, x) gets row
+// r's columns c0 .. c0 + 7 (c0 = 0 or 8), so the caller packs 16-byte stores (one 16-byte
+// store instead of eight 2-byte ones, and one call per lane instead of eight on 32-lane warps:
+// fewer instructions, which bound the state pass's serial path and the prep). 32 runs per tile, so lanes past 32 sit out. Warp-collective; `scr` is the
 // warp's 16-byte aligned scratch tile.
 template <typename F>
 __device__ __forceinline__ void frag_out8(const FragC& f, float* __restrict__ scr, F&& put8) {
@@ -760,6 +766,7 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
     float* Bt = G + C;
     float* rk = Bt + C;
     float* cs = rk + C;  // column scale of T for the current product
+    float* fk = cs + C;  // K~'s row factor exp(G_last - G_i) rk_i
     M* X = reinterpret_cast<M*>(smb + L.x);
     float* At = reinterpret_cast<float*>(smb + L.a);
     M* Thi = reinterpret_cast<M*>(smb + L.a);
@@ -775,11 +782,20 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
     const int64_t sk = (int64_t)H * K, sv = (int64_t)HV * V, ch = c * HV + hv;
     const T* kp = k + p.start * sk + (int64_t)kh * K;
     const T* vp = v + p.start * sv + (int64_t)hv * V;
+    // k, v are the caller's tensors (a view need not be 16-byte aligned). Rows come in as
+    // 16-byte vectors, all loads of a row set in flight together.
+    const bool veck = (reinterpret_cast<uintptr_t>(k) & 15) == 0;
+    const bool vecv = (reinterpret_cast<uintptr_t>(v) & 15) == 0;
+    uint4 st[kRowVecs];
+    load_vecs(st, kp, sk, C, len, K, veck);
     chunk_gates(g, beta, p.start, len, HV, hv, G, Bt);
-    row_factors(kp, sk, len, K, l2, rk);
-    load_rows16(X, ldx, kp, sk, len, K);
+    vec_row_factors<T>(st, K, len, l2, rk);
+    store_vecs(X, ldx, st, C, K);
     __syncthreads();
-    if (tid < C) Gout[ch * C + tid] = G[tid];
+    if (tid < C) {
+      Gout[ch * C + tid] = G[tid];
+      fk[tid] = tid < len ? expf(G[C - 1] - G[tid]) * rk[tid] : 0.f;
+    }
 
     // k k^T, lower tiles only (10 of 16; the rest is masked away below).
     for (int t = warp; t < 10; t += nwarps) {
@@ -816,13 +832,18 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
       const int e = tid + r * kBlock;
       tv[r] = e % C <= e / C ? At[(e / C) * lda + e % C] : 0.f;  // T is lower triangular
     }
-    {
-      const float glast = G[C - 1];
+    {  // K~ = fk k, by 16-byte vectors (fk is 0 past len)
       M* kt = Ktout + ch * (int64_t)C * K;
-      for (int e = tid; e < C * K; e += blockDim.x) {
-        const int i = e / K, d = e % K;
-        kt[e] = Mma<T>::from(i < len ? expf(glast - G[i]) * rk[i] * Mma<T>::to(X[i * ldx + d])
-                                     : 0.f);
+      const int per = K / 8;
+      for (int e = tid; e < C * per; e += blockDim.x) {
+        const int i = e / per, c8 = (e % per) * 8;
+        const uint4 raw = *reinterpret_cast<const uint4*>(X + i * ldx + c8);
+        const M* xv = reinterpret_cast<const M*>(&raw);
+        uint4 o;
+        M* ov = reinterpret_cast<M*>(&o);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) ov[u] = Mma<T>::from(fk[i] * Mma<T>::to(xv[u]));
+        *reinterpret_cast<uint4*>(kt + i * K + c8) = o;
       }
     }
     if (tid < C) cs[tid] = Bt[tid] * expf(G[tid]) * rk[tid];
@@ -858,12 +879,17 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
     };
     M* wo = Wout + ch * (int64_t)C * K;
     apply(K, [&](int ti, int tj, const FragC& acc) {
-      frag_out(acc, scr, [&](int r, int cc, float x) {
-        wo[(ti * 16 + r) * K + tj * 16 + cc] = Mma<T>::from(x);
+      frag_out8(acc, scr, [&](int r, int c0, const float (&x)[8]) {
+        uint4 o;
+        M* ov = reinterpret_cast<M*>(&o);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) ov[u] = Mma<T>::from(x[u]);
+        *reinterpret_cast<uint4*>(wo + (ti * 16 + r) * K + tj * 16 + c0) = o;
       });
     });
+    load_vecs(st, vp, sv, C, len, V, vecv);  // in flight across the barrier
     __syncthreads();  // X, T_hi, T_lo consumed
-    load_rows16(X, ldx, vp, sv, len, V);
+    store_vecs(X, ldx, st, C, V);
     if (tid < C) cs[tid] = Bt[tid];
     __syncthreads();
     float* uo = Uout + ch * (int64_t)C * V;
@@ -1099,8 +1125,6 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
 // the same element -> (row, col) map, so no scratch round trip; then S v' accumulates on top.
 // Output tiles leave through frag_out8 as 16-byte stores.
 constexpr int kSFrags = (10 + kBlock / 64 - 1) / (kBlock / 64);  // lower S tiles per warp
-constexpr int kRowVecs = kChunk * kMaxDim / 8 / kBlock;  // uint4 per thread: [C, D] operand
-constexpr int kStateVecs = kMaxDim * kMaxDim / 8 / kBlock;  // uint4 per thread: [V, K] h
 
 template <typename T, int KD, int VD>
 __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
@@ -1144,26 +1168,8 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
     load_vecs(sh, Hbuf + ch * (int64_t)V * K, K, V, V, K, true);
     load_vecs(sv, Vn + ch * (int64_t)C * V, V, C, C, V, true);
     if (tid < C) G[tid] = Gbuf[ch * C + tid];
-    // Row factors rsqrt(|x|^2 + 1e-6) (l2) or 1, 0 past len, from the staged vectors: the
-    // K / 8 consecutive lanes holding a row (a power of two <= 16) sum their squares.
-    auto factors = [&](const uint4 (&st)[kRowVecs], float* out) {
-      const int per = K / 8;
-#pragma unroll
-      for (int r = 0; r < kRowVecs; ++r) {
-        const int e = tid + r * kBlock, row = e / per;
-        float ss = 0.f;
-        if (l2) {
-          const M* y = reinterpret_cast<const M*>(&st[r]);
-#pragma unroll
-          for (int u = 0; u < 8; ++u) ss += Mma<T>::to(y[u]) * Mma<T>::to(y[u]);
-          ss = group_sum(ss, per);  // every thread takes part (uniform branch)
-        }
-        if (e < C * per && e % per == 0)
-          out[row] = row < len ? (l2 ? rsqrtf(ss + 1e-6f) : 1.f) : 0.f;
-      }
-    };
-    factors(sq, rq);
-    factors(skv, rk);
+    vec_row_factors<T>(sq, K, len, l2, rq);
+    vec_row_factors<T>(skv, K, len, l2, rk);
     store_vecs(qs, ldk, sq, C, K);
     store_vecs(ks, ldk, skv, C, K);
     store_vecs(hs, ldk, sh, V, K);
