@@ -345,14 +345,13 @@ __global__ void VO_GDN_DECODE_BOUNDS gdn_decode_kernel(
       if (last) counts[bi * H + h] = 0;
     }
     __syncthreads();
-    if (last) {  // the other S - 1 blocks have read the old q/k windows: shift them
+    if (last)  // the other S - 1 blocks have read the old q/k windows: shift them (through
+               // gdn_conv_channel, its product dropped: one source for the shift)
       for (int c = tid; c < 2 * K; c += blockDim.x) {
         const int gc = channel(c);
-        T* sc = cst + (int64_t)gc * cs_d;
-        for (int j = 0; j + 1 < W - 1; ++j) sc[j * cs_w] = sc[(j + 1) * cs_w];
-        sc[(W - 2) * cs_w] = xr[gc];
+        gdn_conv_channel(cst + (int64_t)gc * cs_d, cs_w, conv_w + (int64_t)gc * W, W, xr[gc], 0.f,
+                         true);
       }
-    }
   }
   // L2 norms of q and k (float32, eps 1e-6), scale folded into q.
   float ss[2] = {0.f, 0.f};
@@ -876,8 +875,9 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight) {
 
 // gdn_decode_kernel's per-(sequence, key head) counts: zero between calls (each call's last
 // block resets what it counted), so one buffer per device serves every layer and call, in
-// stream order. Allocated on first use (the engine's warm-up runs precede any graph capture)
-// and grown, rarely, for a larger batch.
+// stream order. Allocated on first use (the engine's warm-up runs precede any graph capture);
+// the growth is a guard only: the shared-window split runs while B x HV <= the SM count, so
+// the B x H ints it counts stay far below the first allocation's 4,096.
 int* gdn_decode_counts(const at::Tensor& like, int64_t n) {
   static std::mutex mu;
   static std::map<int, at::Tensor> bufs;
