@@ -12,31 +12,15 @@ index sets, so the source does not sit in L2; time per gather). Usage (GPU host)
 from __future__ import annotations
 
 import json
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 
-
-def graph_ms(fn, reps: int = 200) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+# Run as `python3 worklogs/gather_probe.py`: sys.path[0] is worklogs/, and the shared timer
+# lives in remote_scripts/ beside the other probes that use it.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "remote_scripts"))
+from cuda_graph_timing import graph_replay_ms  # noqa: E402
 
 
 def main() -> None:
@@ -66,7 +50,7 @@ def main() -> None:
                     for i in sets:
                         src.index_select(0, i)
 
-                ms = graph_ms(eight) / len(sets)
+                ms = graph_replay_ms(eight, rounds=200) / len(sets)
                 res[label] = {"ms": ms, "GBps": 2 * res["MB"] * 2**20 / (ms * 1e-3) / 1e9}
             rows.append(res)
             cols = "  ".join(

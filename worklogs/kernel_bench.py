@@ -845,6 +845,25 @@ class Bench:
             self.moe_prefill_fused(res, x, logits, w13, w2, k, ref, flops, with_loop)
         return res
 
+    def time_fused_method(
+        self,
+        res: dict[str, Any],
+        key: str,
+        fn: Callable[[], torch.Tensor],
+        ref: torch.Tensor,
+        flops: float,
+        profile_key: str,
+    ) -> None:
+        """One fused moe_prefill method into ``res``: its error on the reference's rows
+        (``{key}_err_first256``), eager / graph ms (``key``), TF/s at the best of the two
+        (``{key}_TFps``) and, at TP4, its kernel profile (``profile_key``)."""
+        res[f"{key}_err_first256"] = rel(fn()[: ref.shape[0]], ref)
+        res[key] = self.timer.both([fn], 50.0)
+        ms = res[key].get("graph_ms") or res[key]["eager_ms"]
+        res[f"{key}_TFps"] = flops / (ms * 1e-3) / 1e12
+        if res["tp"] == 4:
+            res[profile_key] = profile_table(fn, n=3)
+
     def moe_prefill_fused(
         self,
         res: dict[str, Any],
@@ -863,12 +882,7 @@ class Bench:
         def fused(method: str) -> Callable[[], torch.Tensor]:
             return lambda: kernels.moe_prefill(x, logits, k, True, w13, w2, None, method)
 
-        res["fused_grouped_err_first256"] = rel(fused("grouped")()[:sub], ref)
-        res["fused_grouped"] = self.timer.both([fused("grouped")], 50.0)
-        ms = res["fused_grouped"].get("graph_ms") or res["fused_grouped"]["eager_ms"]
-        res["fused_grouped_TFps"] = flops / (ms * 1e-3) / 1e12
-        if res["tp"] == 4:
-            res["profile_fused"] = profile_table(fused("grouped"), n=3)
+        self.time_fused_method(res, "fused_grouped", fused("grouped"), ref, flops, "profile_fused")
         ops = torch.ops.vo_kernels
         w, ids, counts, slot = ops.moe_route_count(logits, k, True)
         xs, ws, inverse, ends = ops.moe_permute(x, w, ids, counts, slot)
@@ -882,7 +896,10 @@ class Bench:
         ]
         res["fused_stages_eager_ms"] = {n: self.timer.eager([fn], 20.0) for n, fn in stages}
         if kernels._grouped_gemm_fits(x, w13, w2):
-            self.moe_prefill_wmma(res, x, logits, w13, w2, k, ref, flops, (xs, h, ws, ends))
+            self.time_fused_method(
+                res, "fused_wmma", fused("wmma"), ref, flops, "profile_fused_wmma"
+            )
+            self.moe_prefill_wmma(res, x, logits, w13, w2, k, (xs, h, ws, ends))
         if with_loop:
             res["fused_loop_err_first256"] = rel(fused("loop")()[:sub], ref)
             res["fused_loop"] = {"eager_ms": self.timer.eager([fused("loop")], 50.0)}
@@ -895,20 +912,11 @@ class Bench:
         w13: torch.Tensor,
         w2: torch.Tensor,
         k: int,
-        ref: torch.Tensor,
-        flops: float,
         stock: tuple[torch.Tensor, ...],
     ) -> None:
-        """method="wmma" (our grouped GEMMs, x's rows gathered in place) whole and by stage,
-        each GEMM beside the stock torch._grouped_mm on the same rows (graph replay)."""
-        sub = ref.shape[0]
-        fused = lambda: kernels.moe_prefill(x, logits, k, True, w13, w2, None, "wmma")  # noqa: E731
-        res["fused_wmma_err_first256"] = rel(fused()[:sub], ref)
-        res["fused_wmma"] = self.timer.both([fused], 50.0)
-        ms = res["fused_wmma"].get("graph_ms") or res["fused_wmma"]["eager_ms"]
-        res["fused_wmma_TFps"] = flops / (ms * 1e-3) / 1e12
-        if res["tp"] == 4:
-            res["profile_fused_wmma"] = profile_table(fused, n=3)
+        """method="wmma" (our grouped GEMMs, x's rows gathered in place) by stage, each GEMM
+        beside the stock torch._grouped_mm on the same rows (graph replay); moe_prefill_fused
+        times the method whole."""
         ops = torch.ops.vo_kernels
         xs, h, ws_p, ends_p = stock
         w, ids, counts, slot = ops.moe_route_count(logits, k, True)

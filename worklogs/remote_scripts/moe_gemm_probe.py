@@ -18,32 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from cuda_graph_timing import graph_replay_ms  # this script's folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from vllm_overrides.native import kernels  # noqa: E402
-
-
-def graph_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median over 5 rounds of ``reps`` replays of one captured call, per call."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return sorted(times)[2]
 
 
 def main() -> int:
@@ -92,7 +70,7 @@ def main() -> int:
     out = {"label": a.label, "T": T, "gpu": torch.cuda.get_device_name(), "cases": {}}
     print(f"{'case':<22} {'graph ms':>9} {'TF/s':>7}")
     for name, (fn, fl) in cases.items():
-        ms = graph_ms(fn, a.reps)
+        ms = graph_replay_ms(fn, rounds=5, replays=a.reps)
         row = {"graph_ms": ms, **({"TFps": fl / (ms * 1e-3) / 1e12} if fl else {})}
         out["cases"][name] = row
         print(f"{name:<22} {ms:9.4f} {row.get('TFps', float('nan')):7.1f}")
