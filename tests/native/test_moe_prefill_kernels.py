@@ -99,8 +99,9 @@ def test_order_maps_each_row_to_its_token_and_the_tiles_to_experts(kdev: str, T:
 
 def _grouped_case(kdev: str, T: int, dtype: torch.dtype) -> tuple:
     """x, the weights and the expert order of a routing with an empty expert, one expert
-    spanning several 128-row tiles and groups that are not multiples of a tile."""
-    E, H, I, k = (256, 2048, 128, 8) if kdev == "cuda" else (6, 128, 64, 2)  # noqa: E741
+    spanning several 128-row tiles and groups that are not multiples of a tile. The emulated
+    shape keeps several column blocks in both GEMMs (down 3 of 128, gate/up 2 of 64)."""
+    E, H, I, k = (256, 2048, 128, 8) if kdev == "cuda" else (6, 384, 128, 2)  # noqa: E741
     w13, w2 = _moe_weights(E, H, I, dtype, kdev)
     x = torch.randn(T, H, device=kdev).to(dtype)
     logits = torch.randn(T, E, device=kdev)
@@ -114,14 +115,17 @@ def _grouped_case(kdev: str, T: int, dtype: torch.dtype) -> tuple:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("run", [0, 1, 2, 3])
 @pytest.mark.parametrize("kdev,T", cases([1000, 5000], [150]), indirect=["kdev"])
-def test_grouped_gemms_vs_float64(kdev: str, dtype: torch.dtype, T: int) -> None:
+def test_grouped_gemms_vs_float64(kdev: str, dtype: torch.dtype, T: int, run: int) -> None:
     """``moe_grouped_gemm``: gate/up with x's rows gathered and silu(gate) * up * weight in the
-    epilogue, then down, each against float64 on the same inputs, row by row of its expert."""
+    epilogue, then down, each against float64 on the same inputs, row by row of its expert;
+    with each block walking ``run`` column blocks (0: the kernel's choice), the last run of a
+    tile partial where ``run`` does not divide them."""
     x, w13, w2, (src, ws, inverse, ends, tiles) = _grouped_case(kdev, T, dtype)
     I = w2.shape[2]  # noqa: E741
-    act = torch.ops.vo_kernels.moe_grouped_gemm(x, src, w13, ends, tiles, ws)
-    y = torch.ops.vo_kernels.moe_grouped_gemm(act, None, w2, ends, tiles, None)
+    act = torch.ops.vo_kernels.moe_grouped_gemm(x, src, w13, ends, tiles, ws, run)
+    y = torch.ops.vo_kernels.moe_grouped_gemm(act, None, w2, ends, tiles, None, run)
     expert = torch.searchsorted(ends.long(), torch.arange(src.numel(), device=kdev), right=True)
     xd, ad = x.double(), act.double()
     act_ref = torch.empty_like(ad)

@@ -31,6 +31,12 @@ def main() -> int:
     p.add_argument("--label", default="")
     p.add_argument("--json", default="")
     p.add_argument("--once", action="store_true", help="each of our GEMMs once, eager (for ncu)")
+    p.add_argument(
+        "--runs",
+        default="",
+        help="comma-separated column blocks a block walks (moe_grouped_gemm's run) to time our"
+        " GEMMs at besides the kernel's own choice, e.g. 1,2,4,8,16",
+    )
     a = p.parse_args()
     assert kernels.extension_loaded(), kernels._load_error
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -62,6 +68,15 @@ def main() -> int:
         "wmma_down": (lambda: ops.moe_grouped_gemm(act, None, w2, ends, tiles, None), down),
         "stock_down": (lambda: torch._grouped_mm(act_p, w2.transpose(1, 2), offs=ends_p), down),
     }
+    for r in (int(v) for v in a.runs.split(",") if v):
+        cases[f"wmma_gate_up_run{r}"] = (
+            lambda r=r: ops.moe_grouped_gemm(x, src, w13, ends, tiles, ws, r),
+            up,
+        )
+        cases[f"wmma_down_run{r}"] = (
+            lambda r=r: ops.moe_grouped_gemm(act, None, w2, ends, tiles, None, r),
+            down,
+        )
     for m in ("grouped", "wmma"):
         cases[f"moe_prefill_{m}"] = (
             lambda m=m: kernels.moe_prefill(x, logits, k, True, w13, w2, None, m),

@@ -11,11 +11,14 @@
 // Products are nvcuda::wmma 16x16x16 tiles in the input's 16-bit type with float accumulation.
 // K advances 32 at a time through two shared-memory stages: the next step's 16-byte vectors
 // load into registers while the current step's products run, one barrier a step.
+// A block walks `run` consecutive column blocks of its tile as one pipeline (the next column
+// block's first vectors load during this one's epilogue): down has K = I (128 on a TP4 rank),
+// so a block of one column block spent most of its life on the first load and the epilogue.
 //
 // The block has kWarps warps of whatever width the device has (8 x warpSize threads: 256 on
 // NVIDIA, 512 with 64-lane warps); warp w computes rows 32 (w % 4) .. + 31 against weight
 // rows 32 (w / 4) .. + 31 of each 64-row half, 2 x 4 accumulator tiles. The grid's x is
-// (tile, column block) pairs with the column block fastest, so the blocks sharing an A tile
+// (tile, run of column blocks) pairs with the run fastest, so the blocks sharing an A tile
 // and those sharing an expert's weights run together; tiles past the last expert's return.
 #include "common.cuh"
 
@@ -30,6 +33,8 @@ constexpr int kStageElems = (kTM + kTN) * kLdS;
 constexpr int kVecs = (kTM + kTN) * kTK / 8;  // 16-byte vectors a stage (A rows, then B)
 constexpr int kMaxVecsPerThread = kVecs / (kWarps * 32);  // 32: the narrowest warp
 static_assert(kTM == 128 && kVecs % (kWarps * 32) == 0, "tile shape");
+static_assert(kWarps * 512 * sizeof(float) <= kStageElems * sizeof(uint16_t),
+              "the epilogue's scratch fits in one stage");
 
 template <typename M>
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, M, wmma::row_major>;
@@ -37,7 +42,10 @@ template <typename M>
 using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, M, wmma::col_major>;
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
-template <typename T, bool kGather, bool kAct>
+// kWalk: the block may walk several column blocks (run > 1). Its own instantiation, because
+// the walk keeps the next loads and their pointers live through the epilogue: with one loop
+// for both, gate/up at run 1 ran 41 % slower on an H200 (LEDGER, same section).
+template <typename T, bool kGather, bool kAct, bool kWalk>
 __global__ void
 #ifndef VO_CPU_EMULATION
 __launch_bounds__(kWarps * 64)  // 64-lane warps at most: <= 128 registers on NVIDIA's 256
@@ -45,7 +53,7 @@ __launch_bounds__(kWarps * 64)  // 64-lane warps at most: <= 128 registers on NV
 moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restrict__ src,
                         const T* __restrict__ w, int N, int K, const int* __restrict__ ends,
                         const int* __restrict__ tile_starts, int E, const float* __restrict__ ws,
-                        int col_blocks, T* __restrict__ out, int64_t s_out) {
+                        int col_blocks, int run, T* __restrict__ out, int64_t s_out) {
   if constexpr (!mma_arch_ok<T>()) {
     __trap();
   } else {
@@ -54,15 +62,20 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
     M* stage = reinterpret_cast<M*>(smb);  // [2][kTM + kTN][kLdS]
     const int tid = threadIdx.x, nthreads = blockDim.x;
     const int warp = tid / warpSize, lane = tid % warpSize;
-    const int tile = blockIdx.x / col_blocks, cb = blockIdx.x % col_blocks;
+    const int runs = (col_blocks + run - 1) / run;
+    const int tile = blockIdx.x / runs, cb0 = (blockIdx.x % runs) * run;
     if (tile >= tile_starts[E]) return;
     const int e = owner_of(tile_starts, E, tile);
     const int g0 = e > 0 ? ends[e - 1] : 0, g1 = ends[e];
     const int r0 = g0 + (tile - tile_starts[e]) * kTM;
     const int rows = g1 - r0 < kTM ? g1 - r0 : kTM;
-    // Weight rows of the two halves: gate n0 + j and up I + n0 + j, or n0 + j and n0 + 64 + j.
-    const int n0 = cb * (kAct ? kTN / 2 : kTN), half2 = kAct ? N / 2 : kTN / 2;
+    // Weight rows of the two halves: gate n0 + j and up I + n0 + j, or n0 + j and n0 + 64 + j;
+    // the next column block's are cn rows further.
+    constexpr int cn = kAct ? kTN / 2 : kTN;
+    const int n0 = cb0 * cn, half2 = kAct ? N / 2 : kTN / 2;
     const T* we = w + static_cast<int64_t>(e) * N * K;
+    const int nk = K / kTK;  // steps of one column block
+    const int ncb = kWalk ? (col_blocks - cb0 < run ? col_blocks - cb0 : run) : 1;
 
     // This thread's vectors of a stage: source pointers fixed for the whole K walk.
     const T* vp[kMaxVecsPerThread];
@@ -88,11 +101,13 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
       }
     }
     uint4 reg[kMaxVecsPerThread];
-    auto fetch = [&](int k0) {
+    auto fetch = [&](int c, int k0) {  // column block cb0 + c, K from k0
+      const int64_t b0 = k0 + static_cast<int64_t>(c) * cn * K;
 #pragma unroll
       for (int i = 0; i < kMaxVecsPerThread; ++i)
-        reg[i] = vp[i] != nullptr ? *reinterpret_cast<const uint4*>(vp[i] + k0)
-                                  : uint4{0u, 0u, 0u, 0u};
+        reg[i] = vp[i] != nullptr
+                     ? *reinterpret_cast<const uint4*>(vp[i] + (vdst[i] < kTM * kLdS ? k0 : b0))
+                     : uint4{0u, 0u, 0u, 0u};
     };
     auto put = [&](int s) {
       M* st = stage + s * kStageElems;
@@ -103,19 +118,60 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
 
     // Warp tiles: rows 32 wm .. + 31, weight rows 32 wn .. + 31 of each half (kWarps = 8).
     FragC acc[2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[i][j], 0.f);
     const int wm = warp % 4, wn = warp / 4;
-    const int steps = K / kTK;
-    fetch(0);
+
+    // Epilogue of column block cb through two 16x16 float tiles per warp in scr (a stage no
+    // warp reads any more), in runs of 8 columns: one 16-byte store each (32 runs a tile;
+    // lanes past 32 sit out).
+    auto emit = [&](int cb, float* scr) {
+      const int nb = cb * cn;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int rt = wm * 32 + i * 16;  // tile row of the fragment's first row
+#pragma unroll
+        for (int j = 0; j < (kAct ? 2 : 4); ++j) {
+          wmma::store_matrix_sync(scr, acc[i][j], 16, wmma::mem_row_major);
+          if (kAct) wmma::store_matrix_sync(scr + 256, acc[i][j + 2], 16, wmma::mem_row_major);
+          __syncwarp();
+          for (int u = lane; u < 32; u += warpSize) {
+            const int r = u / 2, c8 = (u % 2) * 8;
+            if (rt + r < rows) {
+              const int q = r0 + rt + r;
+              float f[8];
+              if (kAct) {
+                const float wq = ws[q];
+#pragma unroll
+                for (int t = 0; t < 8; ++t)
+                  f[t] = silu_f(scr[r * 16 + c8 + t]) * scr[256 + r * 16 + c8 + t] * wq;
+              } else {
+#pragma unroll
+                for (int t = 0; t < 8; ++t) f[t] = scr[r * 16 + c8 + t];
+              }
+              const int col = kAct ? nb + wn * 32 + j * 16 + c8
+                                   : nb + (j < 2 ? 0 : kTN / 2) + wn * 32 + (j % 2) * 16 + c8;
+              store_vec(out + static_cast<int64_t>(q) * s_out + col, f);
+            }
+          }
+          __syncwarp();
+        }
+      }
+    };
+
+    fetch(0, 0);
     put(0);
     __syncthreads();
-    for (int s = 0; s < steps; ++s) {
-      if (s + 1 < steps) fetch((s + 1) * kTK);
-      const M* st = stage + (s & 1) * kStageElems;
-      {
+    int t = 0;  // steps done; step t computes from stage t & 1
+    for (int c = 0; c < ncb; ++c) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+      for (int k = 0; k < nk; ++k, ++t) {
+        // The next step's vectors, in flight through this step (and, across column blocks,
+        // through the epilogue).
+        if (k + 1 < nk) fetch(c, (k + 1) * kTK);
+        else if (c + 1 < ncb) fetch(c + 1, 0);
+        const M* st = stage + (t & 1) * kStageElems;
 #pragma unroll
         for (int kk = 0; kk < kTK; kk += 16) {
           FragA<M> fa[2];
@@ -131,56 +187,41 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
             for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
           }
         }
-      }
-      if (s + 1 < steps) put((s + 1) & 1);
-      __syncthreads();
-    }
-
-    // Epilogue through two 16x16 float tiles per warp (the stages are free now), in runs of 8
-    // columns: one 16-byte store each (32 runs a tile; lanes past 32 sit out).
-    float* scr = reinterpret_cast<float*>(smb) + warp * 512;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int rt = wm * 32 + i * 16;  // tile row of the fragment's first row
-#pragma unroll
-      for (int j = 0; j < (kAct ? 2 : 4); ++j) {
-        wmma::store_matrix_sync(scr, acc[i][j], 16, wmma::mem_row_major);
-        if (kAct) wmma::store_matrix_sync(scr + 256, acc[i][j + 2], 16, wmma::mem_row_major);
-        __syncwarp();
-        for (int u = lane; u < 32; u += warpSize) {
-          const int r = u / 2, c8 = (u % 2) * 8;
-          if (rt + r < rows) {
-            const int q = r0 + rt + r;
-            float f[8];
-            if (kAct) {
-              const float wq = ws[q];
-#pragma unroll
-              for (int t = 0; t < 8; ++t)
-                f[t] = silu_f(scr[r * 16 + c8 + t]) * scr[256 + r * 16 + c8 + t] * wq;
-            } else {
-#pragma unroll
-              for (int t = 0; t < 8; ++t) f[t] = scr[r * 16 + c8 + t];
-            }
-            const int col = kAct ? n0 + wn * 32 + j * 16 + c8
-                                 : n0 + (j < 2 ? 0 : kTN / 2) + wn * 32 + (j % 2) * 16 + c8;
-            store_vec(out + static_cast<int64_t>(q) * s_out + col, f);
-          }
+        if (k + 1 < nk) {
+          put((t + 1) & 1);
+          __syncthreads();
         }
-        __syncwarp();
       }
+      __syncthreads();  // every warp is past the last stage: it becomes the scratch
+      emit(cb0 + c, reinterpret_cast<float*>(stage + ((t - 1) & 1) * kStageElems) + warp * 512);
+      if (c + 1 < ncb) put(t & 1);
+      __syncthreads();
     }
   }
 }
 
-// ------------------------------------------------------------------------------------------
-// Host wrapper
-// ------------------------------------------------------------------------------------------
+// Column blocks a block walks unless told. Only where one column block is a short K walk
+// (<= kWalkMaxSteps steps: down, K = I): what the walk gains is the first load and the epilogue
+// hidden behind the next block's loads, which pays on down's 4 steps and lost on gate/up's 64
+// (H200 figures: worklogs/LEDGER.md, "MoE down GEMM walks column blocks"). Then as many as
+// keep the grid at >= kMinBlocksPerSm blocks an SM (several waves of the two resident).
+constexpr int kWalkMaxSteps = 8;
+constexpr int64_t kMinBlocksPerSm = 16;
+int64_t default_run(int64_t col_blocks, int64_t row_tiles, int64_t k_steps, int64_t sms) {
+  if (k_steps > kWalkMaxSteps) return 1;
+  int64_t run = col_blocks;
+  while (run > 1 && row_tiles * ((col_blocks + run - 1) / run) < kMinBlocksPerSm * sms)
+    run = (run + 1) / 2;
+  return run;
+}
 
 // gate/up (src given): out [P, N / 2] = silu(x[src] w[e][:N/2]^T) * (x[src] w[e][N/2:]^T) * ws;
 // down (no src): out [P, N] = a w[e]^T, P = a's rows. ends / tile_starts from moe_order.
+// run: column blocks (128 of N's rows; gate/up: 64 of I's columns) a block walks; 0 = pick.
 at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>& src,
                             const at::Tensor& w, const at::Tensor& ends,
-                            const at::Tensor& tile_starts, const c10::optional<at::Tensor>& ws) {
+                            const at::Tensor& tile_starts, const c10::optional<at::Tensor>& ws,
+                            int64_t run) {
   const bool gather = src.has_value();
   TORCH_CHECK(VO_ON_DEVICE(a) && a.dim() == 2 && a.stride(1) == 1 && w.dim() == 3 &&
                   w.is_contiguous() && w.scalar_type() == a.scalar_type() &&
@@ -217,29 +258,35 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
   const int64_t cols = gather ? N / 2 : N;
   auto out = at::empty({P, cols}, a.options());
   if (P == 0) return out;
+  TORCH_CHECK(run >= 0, "moe_grouped_gemm: run >= 0");
   const int64_t col_blocks = N / kTN;  // gate/up: 64 of I's columns a block
   const int64_t tiles = (P + kTM - 1) / kTM + E;  // each expert's last tile may be partial
-  TORCH_CHECK(tiles * col_blocks < (int64_t{1} << 31), "moe_grouped_gemm: grid too large");
+  if (run == 0) run = default_run(col_blocks, (P + kTM - 1) / kTM, K / kTK, VO_SM_COUNT(a));
+  run = std::min(run, col_blocks);
+  const int64_t runs = (col_blocks + run - 1) / run;
+  TORCH_CHECK(tiles * runs < (int64_t{1} << 31), "moe_grouped_gemm: grid too large");
   const int threads = kWarps * VO_WARP_SIZE(a);
   const size_t smem = 2 * kStageElems * sizeof(uint16_t);
-  auto run = [&](auto* tag) {
+  auto launch = [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
-    auto* kernel = gather ? &moe_grouped_gemm_kernel<S, true, true>
-                          : &moe_grouped_gemm_kernel<S, false, false>;
+    auto* kernel = gather ? (run > 1 ? &moe_grouped_gemm_kernel<S, true, true, true>
+                                     : &moe_grouped_gemm_kernel<S, true, true, false>)
+                          : (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true>
+                                     : &moe_grouped_gemm_kernel<S, false, false, false>);
 #ifndef VO_CPU_EMULATION
     if (smem > 48 * 1024)  // above the default: opt in
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
 #endif
-    VO_LAUNCH(kernel, static_cast<unsigned>(tiles * col_blocks), threads, smem,
+    VO_LAUNCH(kernel, static_cast<unsigned>(tiles * runs), threads, smem,
         a.data_ptr<S>(), a.stride(0), gather ? src->data_ptr<int>() : nullptr, w.data_ptr<S>(),
         static_cast<int>(N), static_cast<int>(K), ends.data_ptr<int>(), tile_starts.data_ptr<int>(),
         static_cast<int>(E), gather ? ws->data_ptr<float>() : nullptr,
-        static_cast<int>(col_blocks), out.data_ptr<S>(), out.stride(0));
+        static_cast<int>(col_blocks), static_cast<int>(run), out.data_ptr<S>(), out.stride(0));
   };
   AT_DISPATCH_SWITCH(a.scalar_type(), "moe_grouped_gemm",
-      AT_DISPATCH_CASE(at::ScalarType::Half, [&] { run(static_cast<scalar_t*>(nullptr)); })
-      AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { run(static_cast<scalar_t*>(nullptr)); }));
+      AT_DISPATCH_CASE(at::ScalarType::Half, [&] { launch(static_cast<scalar_t*>(nullptr)); })
+      AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { launch(static_cast<scalar_t*>(nullptr)); }));
   return out;
 }
 
@@ -247,7 +294,7 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
 
 TORCH_LIBRARY_FRAGMENT(vo_kernels, m) {
   m.def("moe_grouped_gemm(Tensor a, Tensor? src, Tensor w, Tensor ends, Tensor tile_starts,"
-        " Tensor? ws) -> Tensor");
+        " Tensor? ws, int run=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vo_kernels, VO_DISPATCH_KEY, m) {
