@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """GDN chunk prefill kernels alone, one TP4 shard of Qwen3.6-35B-A3B (H 4, HV 8, K = V = 128,
-bf16, one sequence): per-kernel GPU time by torch.profiler, for A/B runs of a kernel change and
-as the target of an Nsight Compute run (``ncu --kernel-name regex:state_mma ... python3 this``).
+bf16 or fp16, one sequence): per-kernel GPU time by torch.profiler, for A/B runs of a kernel
+change and as the target of an Nsight Compute run (``ncu --kernel-name regex:state_mma ...
+python3 this``); ``--err`` adds the output's and final state's errors against float64.
 
     NATIVE_KERNELS=cuda NATIVE_KERNELS_JIT=1 GDN_CHUNK_KERNEL=fused \\
         python3 worklogs/remote_scripts/gdn_chunk_probe.py --T 16384 --reps 20
@@ -18,7 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # worklogs/: kernel_bench's error
+from kernel_bench import rel  # noqa: E402
+
 from vllm_overrides.native import gdn, kernels  # noqa: E402
+from vllm_overrides.native import gdn_reference as gref  # noqa: E402
 
 
 def main() -> int:
@@ -26,7 +31,10 @@ def main() -> int:
     p.add_argument("--T", type=int, default=16384)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", default="")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--err", action="store_true", help="errors against the float64 reference")
     a = p.parse_args()
+    dt = getattr(torch, a.dtype)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     T, H, HV, K, V = a.T, 4, 8, 128, 128
@@ -35,14 +43,14 @@ def main() -> int:
         A_log, torch.randn(T, HV, device=dev) - 2.0, torch.randn(HV, device=dev) * 0.5,
         torch.randn(T, HV, device=dev),
     )  # fmt: skip
-    q = torch.randn(1, T, H, K, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(1, T, H, K, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(1, T, HV, V, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(1, T, H, K, device=dev, dtype=dt)
+    k = torch.randn(1, T, H, K, device=dev, dtype=dt)
+    v = torch.randn(1, T, HV, V, device=dev, dtype=dt)
     h0 = torch.randn(1, HV, V, K, device=dev) * 0.05
     cu = torch.tensor([0, T], device=dev, dtype=torch.long)
 
-    def run() -> None:
-        kernels.chunk_gated_delta_rule(
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.chunk_gated_delta_rule(
             q, k, v, g[None], beta[None], initial_state=h0, output_final_state=True,
             cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
@@ -64,9 +72,20 @@ def main() -> int:
     total = sum(rows.values())
     for n, t in sorted(rows.items(), key=lambda r: -r[1]):
         print(f"{t:9.1f} us  {n}")
-    print(f"{total:9.1f} us  total per call (T={T})")
+    print(f"{total:9.1f} us  total per call (T={T}, {a.dtype})")
+    out = {"T": T, "dtype": a.dtype, "us_per_call": rows, "total_us": total}
+    if a.err:
+        o, fin = run()
+        ro, rfin = gref.gated_delta_rule_reference_fast(
+            q[0], k[0], v[0], g, beta, cu.tolist(), initial_state=h0, use_qk_l2norm=True
+        )
+        out["err_out"], out["err_final_state"] = rel(o[0], ro), rel(fin, rfin)
+        print(
+            f"errors vs float64: output {out['err_out']:.2e}, final state "
+            f"{out['err_final_state']:.2e}"
+        )
     if a.json:
-        Path(a.json).write_text(json.dumps({"T": T, "us_per_call": rows, "total_us": total}))
+        Path(a.json).write_text(json.dumps(out))
     return 0
 
 
