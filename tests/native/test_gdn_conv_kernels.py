@@ -25,10 +25,14 @@ from vllm_overrides.native import gdn_reference as gref
 # name -> (H, HV, K, V, sequence lengths)
 GPU_SIZES = {
     "tp4": (4, 8, 128, 128, [3000, 0, 1, 2, 3, 4, 64, 1500, 777]),
+    # The full model's width (TP1, D = 8192): float32 rows no longer fit two to a block, so
+    # the kernel takes one token a block there.
+    "tp1": (16, 32, 128, 128, [5, 0, 1, 4, 2]),
 }
 EMU_SIZES = {
     "small": (1, 2, 32, 32, [9, 0, 1, 2, 3, 4, 12]),
     "gqa": (2, 4, 32, 64, [7, 5]),
+    "tp1": GPU_SIZES["tp1"],
 }
 SIZES = {**GPU_SIZES, **EMU_SIZES}
 W = 4

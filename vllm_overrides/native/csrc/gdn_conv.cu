@@ -3,20 +3,24 @@
 // ~40 (gdn.causal_conv1d_prefill + gdn.post_conv_prep, which round-trip [T, D] float32
 // intermediates through memory).
 //
-//   1. gdn_conv_prep_kernel, one block per token (grid-stride): each thread takes 16-byte
-//      vectors of channels (their conv weights as whole vectors too; width 4 only); out = act(bias + sum_j w[:, j] x[t - (W-1) + j]) with the W-1
-//      positions before a sequence taken from its conv state (zeros without an initial state),
-//      rounded to the input type as upstream's conv output is; then q and k l2-normalised per
-//      head from those rounded values (float32, eps 1e-6; FLA's l2norm_fwd numerics) and
-//      rounded again; v copied out; the gates g = -exp(A_log) softplus(a + dt_bias),
-//      beta = sigmoid(b) in float32. The conv row is staged in shared memory so the head norms
-//      need one barrier.
+//   1. gdn_conv_prep_kernel, one block per group of kConvRows consecutive tokens (grid-stride;
+//      one token where two rows of D do not fit the shared memory): each thread takes 16-byte
+//      vectors of channels (their conv weights as whole vectors too; width 4 only) and issues
+//      all the group's loads (weights, bias, the R + W - 1 input rows) before using any; out =
+//      act(bias + sum_j w[:, j] x[t - (W-1) + j]) with the W-1 positions before a token's
+//      sequence taken from its conv state (zeros without an initial state; a group may span
+//      sequences), rounded to the input type as upstream's conv output is; then q and k
+//      l2-normalised per head from those rounded values (float32, eps 1e-6; FLA's l2norm_fwd
+//      numerics) and rounded again; v copied out; the gates g = -exp(A_log) softplus(a +
+//      dt_bias), beta = sigmoid(b) in float32. The rounded conv rows are staged in shared
+//      memory (16-bit rows stay 16-bit) so the head norms need one barrier a group.
 //   2. gdn_conv_state_kernel, one thread per (sequence, channel): the new conv state = the last
 //      W-1 inputs of [initial columns | sequence]. A launch of its own because kernel 1's first
 //      tokens of a sequence read the old state.
 //
 // Same contract and results as the PyTorch path (tests/native/test_gdn_conv_kernels.py): the
-// sequence of a token is found by a binary search over cu_seqlens on the device (no host sync);
+// sequence of each token is found by a binary search over cu_seqlens on the device (no host
+// sync);
 // sequences whose slot is `pad_slot_id` keep their state, and like the PyTorch path they read
 // slot 0's columns as history when marked as having an initial state.
 //
@@ -30,8 +34,20 @@ namespace {
 // weights of a thread's channels then sit in registers. Other widths take the PyTorch path.
 constexpr int kConvWidth = 4;
 
-template <typename T, typename I, int W>
-__global__ void gdn_conv_prep_kernel(
+// Tokens a block takes at a time, and the blocks an SM must hold. A/B on the H200 (16K tokens,
+// D 2048, bf16; worklogs/LEDGER.md): one token a block with each tap's load behind a branch
+// took 223 us; all of a group's loads issued first 158 us (1 token), 123 us (2), 138 us (4);
+// 2 tokens at >= 4 blocks an SM (ptxas: 64 registers, no spill) 107 us; 4 tokens at >= 3
+// blocks 112 us, and 8 tokens spilled there.
+constexpr int kConvRows = 2;
+#ifdef VO_CPU_EMULATION
+#define VO_CONV_BOUNDS
+#else
+#define VO_CONV_BOUNDS __launch_bounds__(kBlock, 4)
+#endif
+
+template <typename T, typename I, int W, int R>
+__global__ void VO_CONV_BOUNDS gdn_conv_prep_kernel(
     const T* __restrict__ x, int64_t s_x, int64_t T_, int D,                      // [T, D]
     const T* __restrict__ w, const T* __restrict__ bias,                         // [D, W], [D]
     const T* __restrict__ cs, int64_t cs_slot, int64_t cs_d, int64_t cs_w,       // [S, D, W-1]
@@ -42,89 +58,107 @@ __global__ void gdn_conv_prep_kernel(
     bool l2, T* __restrict__ q_out, T* __restrict__ k_out, T* __restrict__ v_out,
     float* __restrict__ g_out, float* __restrict__ beta_out) {
   constexpr int NV = Vec<T>::N;
-  VO_DYN_SMEM(float, sm);  // y [D] (the rounded conv row), part [D / NV] (squares per vector)
-  float* y = sm;
-  float* part = sm + D;
   constexpr int S = W - 1;
-  const int HK = H * K, vpk = K / NV;
-  for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
-    const int n = owner_of(cu, N, t);
-    const int64_t start = cu[n];
-    const int64_t slot = slots[n] < 0 ? 0 : slots[n];  // pad slots read slot 0, as gdn.py
-    const bool init = has_init == nullptr || has_init[n];
-    const T* st = cs + slot * cs_slot;
-    for (int c0 = threadIdx.x * NV; c0 < D; c0 += blockDim.x * NV) {
-      // The NV channels' W taps are NV * W contiguous elements = W whole vectors (the weights
-      // are read by every token: scalar loads here were most of the kernel's time).
-      float wv[NV * W];
+  // y [R][D] (the rounded conv rows, exact in T), then part [R][D / NV] (squares per vector).
+  VO_DYN_SMEM(float, sm);
+  T* y = reinterpret_cast<T*>(sm);
+  float* part = sm + (R * D * static_cast<int>(sizeof(T)) + 3) / 4;
+  const int HK = H * K, vpk = K / NV, DV = D / NV;
+  for (int64_t t0 = (int64_t)blockIdx.x * R; t0 < T_; t0 += (int64_t)gridDim.x * R) {
+    const int nr = static_cast<int>(T_ - t0 < R ? T_ - t0 : R);
+    // The group's tokens may belong to different sequences: each its own start and history.
+    int64_t start[R];
+    const T* st[R];
+    bool init[R];
 #pragma unroll
-      for (int i = 0; i < W; ++i) {
-        Vec<T> r;
-        r.load(w + (int64_t)c0 * W + i * NV);
-#pragma unroll
-        for (int e = 0; e < NV; ++e) wv[i * NV + e] = r.f[e];
-      }
-      float acc[NV];
-      if (bias != nullptr) {
-        Vec<T> r;
-        r.load(bias + c0);
-#pragma unroll
-        for (int u = 0; u < NV; ++u) acc[u] = r.f[u];
-      } else {
-#pragma unroll
-        for (int u = 0; u < NV; ++u) acc[u] = 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const int64_t src = t - S + j;
-        float xv[NV];
-        if (src >= start) {
-          Vec<T> r;
-          r.load(x + src * s_x + c0);
-#pragma unroll
-          for (int u = 0; u < NV; ++u) xv[u] = r.f[u];
-        } else {  // history column S + (src - start) of the sequence's conv state
-          const int64_t col = S + (src - start);
-#pragma unroll
-          for (int u = 0; u < NV; ++u)
-            xv[u] = init ? to_f(st[(c0 + u) * cs_d + col * cs_w]) : 0.f;
-        }
-#pragma unroll
-        for (int u = 0; u < NV; ++u) acc[u] += wv[u * W + j] * xv[u];
-      }
-      float sq = 0.f;
-#pragma unroll
-      for (int u = 0; u < NV; ++u) {
-        const float r = to_f(static_cast<T>(silu ? silu_f(acc[u]) : acc[u]));
-        y[c0 + u] = r;
-        sq += r * r;
-      }
-      part[c0 / NV] = sq;
+    for (int r = 0; r < R; ++r) {
+      const int n = owner_of(cu, N, t0 + (r < nr ? r : nr - 1));
+      start[r] = cu[n];
+      st[r] = cs + (slots[n] < 0 ? 0 : slots[n]) * cs_slot;  // pad slots read slot 0, as gdn.py
+      init[r] = has_init == nullptr || has_init[n];
     }
-    if (threadIdx.x < HV) {
-      const int hv = threadIdx.x;
+    for (int c0 = threadIdx.x * NV; c0 < D; c0 += blockDim.x * NV) {
+      // Every 16-byte load of the group is issued before any is used: the W taps (the weights
+      // are read by every group: scalar loads here were most of the kernel's time), the bias
+      // and the R + W - 1 input rows, each row read once for the group's R tokens. Rows before
+      // the tensor or after its end are clamped in bounds and never used (a token reads history
+      // before its sequence's start, and no row past its own).
+      uint4 wr[W], xr[R + S], br{};
+#pragma unroll
+      for (int i = 0; i < W; ++i)
+        wr[i] = *reinterpret_cast<const uint4*>(w + (int64_t)c0 * W + i * NV);
+      if (bias != nullptr) br = *reinterpret_cast<const uint4*>(bias + c0);
+#pragma unroll
+      for (int i = 0; i < R + S; ++i) {
+        int64_t src = t0 - S + i;
+        src = src < 0 ? 0 : (src >= T_ ? T_ - 1 : src);
+        xr[i] = *reinterpret_cast<const uint4*>(x + src * s_x + c0);
+      }
+      const T* wv = reinterpret_cast<const T*>(wr);  // [NV][W]
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r >= nr) break;
+        float acc[NV];
+#pragma unroll
+        for (int u = 0; u < NV; ++u)
+          acc[u] = bias != nullptr ? to_f(reinterpret_cast<const T*>(&br)[u]) : 0.f;
+        const int64_t t = t0 + r;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const int64_t src = t - S + j;
+          const T* xv = reinterpret_cast<const T*>(&xr[r + j]);
+          if (src >= start[r]) {
+#pragma unroll
+            for (int u = 0; u < NV; ++u) acc[u] += to_f(wv[u * W + j]) * to_f(xv[u]);
+          } else if (init[r]) {  // history column S + (src - start) of the sequence's state
+            const int64_t col = S + (src - start[r]);
+#pragma unroll
+            for (int u = 0; u < NV; ++u)
+              acc[u] += to_f(wv[u * W + j]) * to_f(st[r][(c0 + u) * cs_d + col * cs_w]);
+          }
+        }
+        uint4 yr;
+        T* ye = reinterpret_cast<T*>(&yr);
+        float sq = 0.f;
+#pragma unroll
+        for (int u = 0; u < NV; ++u) {
+          ye[u] = static_cast<T>(silu ? silu_f(acc[u]) : acc[u]);
+          const float f = to_f(ye[u]);
+          sq += f * f;
+        }
+        *reinterpret_cast<uint4*>(y + r * D + c0) = yr;
+        part[r * DV + c0 / NV] = sq;
+      }
+    }
+    for (int e = threadIdx.x; e < nr * HV; e += blockDim.x) {
+      const int64_t t = t0 + e / HV;
+      const int hv = e % HV;
       const float xa = to_f(a[t * s_a + hv]) + dt_bias[hv];
       const float sp = xa > 20.f ? xa : log1pf(expf(xa));  // softplus, threshold 20
       g_out[t * HV + hv] = -expf(A_log[hv]) * sp;
       beta_out[t * HV + hv] = sigmoid_f(to_f(b[t * s_b + hv]));
     }
     __syncthreads();
-    for (int c0 = threadIdx.x * NV; c0 < D; c0 += blockDim.x * NV) {
-      float o[NV];
+    for (int e = threadIdx.x; e < nr * DV; e += blockDim.x) {
+      const int r = e / DV, c0 = (e % DV) * NV;
+      const int64_t t = t0 + r;
       float f = 1.f;
       if (l2 && c0 < 2 * HK) {
-        const int v0 = (c0 / K) * vpk;  // this head's first vector
+        const float* pr = part + r * DV + (c0 / K) * vpk;  // this head's vectors
         float ss = 0.f;
-        for (int i = 0; i < vpk; ++i) ss += part[v0 + i];
+        for (int i = 0; i < vpk; ++i) ss += pr[i];
         f = rsqrtf(ss + 1e-6f);
       }
+      Vec<T> yv;
+      yv.load(y + r * D + c0);
+      float o[NV];
 #pragma unroll
-      for (int u = 0; u < NV; ++u) o[u] = y[c0 + u] * f;
+      for (int u = 0; u < NV; ++u) o[u] = yv.f[u] * f;
       if (c0 < HK) store_vec(q_out + t * HK + c0, o);
       else if (c0 < 2 * HK) store_vec(k_out + t * HK + (c0 - HK), o);
       else store_vec(v_out + t * (D - 2 * HK) + (c0 - 2 * HK), o);
     }
-    __syncthreads();  // y / part are rewritten for the next token
+    __syncthreads();  // y / part are rewritten for the next group
   }
 }
 
@@ -208,22 +242,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_conv_
   auto beta = at::empty({T, HV}, x.options().dtype(at::kFloat));
   if (N == 0) return {q, k, v, g, beta};
   const bool* hi = has_init.has_value() ? has_init->data_ptr<bool>() : nullptr;
-  const size_t smem = (D + D / NV) * sizeof(float);
+  // kConvRows tokens a block where their staged rows fit the 48 KB of shared memory any
+  // device grants without opting in (D 2048: 10 KB), else one.
+  const int64_t per_row = D * x.element_size() + (D / NV) * 4;
+  const int rows = kConvRows * per_row + 4 <= 48 * 1024 ? kConvRows : 1;
+  const size_t smem = rows * per_row + 4;
   VO_DISPATCH_FLOATS(x.scalar_type(), "gdn_conv_prep", [&] {
     using T_ = scalar_t;
     const T_* bp = bias.has_value() ? bias->data_ptr<T_>() : nullptr;
     auto launch = [&](auto* cu) {
       using I_ = std::remove_const_t<std::remove_pointer_t<decltype(cu)>>;
-      if (T > 0)
-        VO_LAUNCH((gdn_conv_prep_kernel<T_, I_, kConvWidth>), std::min<int64_t>(T, 65535),
-            kBlock, smem, x.data_ptr<T_>(), x.stride(0), T, static_cast<int>(D),
-            weight.data_ptr<T_>(), bp, conv_states.data_ptr<T_>(), conv_states.stride(0),
-            conv_states.stride(1), conv_states.stride(2), cu, static_cast<int>(N),
-            slots.data_ptr<int64_t>(), hi, silu, a.data_ptr<T_>(), a.stride(0),
-            b.data_ptr<T_>(), b.stride(0), A_log.data_ptr<float>(), dt_bias.data_ptr<float>(),
-            static_cast<int>(H), static_cast<int>(HV), static_cast<int>(K), l2,
-            q.data_ptr<T_>(), k.data_ptr<T_>(), v.data_ptr<T_>(), g.data_ptr<float>(),
-            beta.data_ptr<float>());
+      auto prep = [&](auto r) {
+        constexpr int R = decltype(r)::value;
+        VO_LAUNCH((gdn_conv_prep_kernel<T_, I_, kConvWidth, R>),
+            std::min<int64_t>((T + R - 1) / R, 65535), kBlock, smem, x.data_ptr<T_>(),
+            x.stride(0), T, static_cast<int>(D), weight.data_ptr<T_>(), bp,
+            conv_states.data_ptr<T_>(), conv_states.stride(0), conv_states.stride(1),
+            conv_states.stride(2), cu, static_cast<int>(N), slots.data_ptr<int64_t>(), hi,
+            silu, a.data_ptr<T_>(), a.stride(0), b.data_ptr<T_>(), b.stride(0),
+            A_log.data_ptr<float>(), dt_bias.data_ptr<float>(), static_cast<int>(H),
+            static_cast<int>(HV), static_cast<int>(K), l2, q.data_ptr<T_>(), k.data_ptr<T_>(),
+            v.data_ptr<T_>(), g.data_ptr<float>(), beta.data_ptr<float>());
+      };
+      if (T > 0) {
+        if (rows == kConvRows) prep(std::integral_constant<int, kConvRows>());
+        else prep(std::integral_constant<int, 1>());
+      }
       VO_LAUNCH((gdn_conv_state_kernel<T_, I_>), dim3(N, (D + kBlock - 1) / kBlock), kBlock, 0,
           x.data_ptr<T_>(), x.stride(0), static_cast<int>(D), conv_states.data_ptr<T_>(),
           conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
