@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # worklogs/: kernel_bench's error
 from kernel_bench import rel  # noqa: E402
+from profiler_timing import kernel_us  # noqa: E402
 
 from vllm_overrides.native import gdn, kernels  # noqa: E402
 from vllm_overrides.native import gdn_reference as gref  # noqa: E402
@@ -55,20 +55,7 @@ def main() -> int:
             cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
 
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(a.reps):
-            run()
-        torch.cuda.synchronize()
-    us: dict[str, list[float]] = defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us[e.name].append(e.device_time)
-    rows = {n[:60]: sum(t) / a.reps for n, t in us.items()}
+    rows = kernel_us(run, a.reps)
     total = sum(rows.values())
     for n, t in sorted(rows.items(), key=lambda r: -r[1]):
         print(f"{t:9.1f} us  {n}")

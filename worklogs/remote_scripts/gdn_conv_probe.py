@@ -13,34 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from profiler_timing import kernel_us  # noqa: E402
+
 from vllm_overrides.native import kernels  # noqa: E402
 
 H, HV, K, V, W = 4, 8, 128, 128, 4
-
-
-def gpu_us(fn, reps: int) -> dict[str, float]:
-    """Mean GPU time per call of each kernel ``fn`` launches (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    us: dict[str, list[float]] = defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us[e.name].append(e.device_time)
-    return {n[:60]: sum(t) / reps for n, t in us.items()}
 
 
 def main() -> int:
@@ -73,9 +56,9 @@ def main() -> int:
 
     run()
     assert "gdn_conv_prep" in kernels.FUSED_USED, "the fused kernel did not serve"
-    rows = gpu_us(run, a.reps)
+    rows = kernel_us(run, a.reps)
     big = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    copy_us = sum(gpu_us(lambda: big.clone(), a.reps).values())
+    copy_us = sum(kernel_us(lambda: big.clone(), a.reps).values())
     copy_GBps = 2 * big.numel() / copy_us / 1e3
     # Read x, a, b; write q, k, v, g, beta (float32).
     moved = T * D * dt.itemsize * 2 + T * HV * (2 * dt.itemsize + 2 * 4)
