@@ -2,7 +2,8 @@
 """GDN prefill front end alone (``kernels.gdn_conv_prep``: the causal conv1d + q/k L2 norms +
 gates), one TP4 shard of Qwen3.6-35B-A3B (H 4, HV 8, K = V = 128, so D = 2048), one fresh
 sequence: GPU time per kernel by torch.profiler against its copy floor (the bytes it must move
-at the copy rate measured in the same run), for A/B runs of a kernel change.
+at the copy rate the step benchmark's ``copy_gbps`` measures in the same run), for A/B runs of
+a kernel change.
 
     NATIVE_KERNELS=cuda NATIVE_KERNELS_JIT=1 \\
         python3 worklogs/remote_scripts/gdn_conv_probe.py --T 16384 --reps 20
@@ -18,7 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # worklogs/: the copy rate
+from decode_step_bench import copy_gbps  # noqa: E402
 from profiler_timing import kernel_us  # noqa: E402
 
 from vllm_overrides.native import kernels  # noqa: E402
@@ -57,9 +59,7 @@ def main() -> int:
     run()
     assert "gdn_conv_prep" in kernels.FUSED_USED, "the fused kernel did not serve"
     rows = kernel_us(run, a.reps)
-    big = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    copy_us = sum(kernel_us(lambda: big.clone(), a.reps).values())
-    copy_GBps = 2 * big.numel() / copy_us / 1e3
+    copy_GBps = copy_gbps(dev, smoke=False)
     # Read x, a, b; write q, k, v, g, beta (float32).
     moved = T * D * dt.itemsize * 2 + T * HV * (2 * dt.itemsize + 2 * 4)
     floor_us = moved / copy_GBps / 1e3

@@ -20,9 +20,8 @@
 //
 // Same contract and results as the PyTorch path (tests/native/test_gdn_conv_kernels.py): the
 // sequence of each token is found by a binary search over cu_seqlens on the device (no host
-// sync);
-// sequences whose slot is `pad_slot_id` keep their state, and like the PyTorch path they read
-// slot 0's columns as history when marked as having an initial state.
+// sync); sequences whose slot is `pad_slot_id` keep their state, and like the PyTorch path they
+// read slot 0's columns as history when marked as having an initial state.
 //
 // Portability as in common.cuh: no warp size assumed (the head norms go through shared memory),
 // block size kBlock, float32 accumulation, no float64 on the device.
