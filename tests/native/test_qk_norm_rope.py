@@ -4,11 +4,15 @@ own unfused path: GemmaRMSNorm-style ``(1 + w)`` norms, then vLLM's MRotaryEmbed
 
 from __future__ import annotations
 
+import pytest
 import torch
-from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.model_executor.layers.rotary_embedding import get_rope
 
-from vllm_overrides.native import qk_norm_rope, rmsnorm
+# Upstream is the reference: installed in CI, absent on the kernel machine (reason shown there).
+pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
+
+from vllm_overrides.native import qk_norm_rope, rmsnorm  # noqa: E402
 
 
 def test_matches_upstream_norm_then_mrope() -> None:
