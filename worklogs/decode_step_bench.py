@@ -407,9 +407,9 @@ NO_KERNEL_OPS = {
 }
 
 
-def count_launches(fn: Callable[[], Any], dev: torch.device) -> dict[str, int]:
-    """GPU: CUDA kernels and memcpy/memset of one call (torch.profiler). CPU (smoke): top-level
-    operators, views included, as a stand-in."""
+def count_launches(fn: Callable[[], Any], dev: torch.device, top: int = 12) -> dict[str, Any]:
+    """GPU: CUDA kernels and memcpy/memset of one call (torch.profiler), and the `top` kernels
+    by device time. CPU (smoke): top-level operators, views included, as a stand-in."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -430,12 +430,15 @@ def count_launches(fn: Callable[[], Any], dev: torch.device) -> dict[str, int]:
     copies = sum(1 for e in dev_ev if e.name.startswith(("Memcpy", "Memset")))
     # Device busy time by kernel (what the GPU does, apart from waiting for the host).
     by_name: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for e in dev_ev:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+        calls[e.name] = calls.get(e.name, 0) + 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     return {
         "launches": len(dev_ev), "copies": copies, "device_us": sum(by_name.values()),
-        "top_kernels_us": {k[:90]: round(v, 1) for k, v in top},
+        "top_kernels_us": {k[:90]: round(v, 1) for k, v in ranked},
+        "top_kernels_calls": {k[:90]: calls[k] for k, _ in ranked},
     }  # fmt: skip
 
 
@@ -1015,11 +1018,12 @@ def run_prefill_variant(
         sync(dev)
         res["peak_transient_mib"] = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
         restore()
-    prof = count_launches(m.step, dev)
+    prof = count_launches(m.step, dev, top=args.top_kernels)
     res["launches"] = prof["launches"]
     if "device_us" in prof:
         res["device_ms"] = prof["device_us"] / 1e3
         res["top_kernels_us"] = prof["top_kernels_us"]
+        res["top_kernels_calls"] = prof["top_kernels_calls"]
     elif "compute_ops" in prof:
         res["compute_ops"] = prof["compute_ops"]
     fl = m.matmul_flops()
@@ -1391,6 +1395,9 @@ def main(argv: list[str] | None = None) -> int:
         help="resume: tokens already in the KV cache / GDN states (default: as many as new)",
     )
     ap.add_argument("--prefill-reps", type=int, default=0, help="timed steps (default 3)")
+    ap.add_argument(
+        "--top-kernels", type=int, default=12, help="prefill: kernels kept in the JSON, by GPU time"
+    )
     ap.add_argument(
         "--target-tflops",
         type=float,

@@ -4,6 +4,11 @@ bf16, 16K tokens): our grouped GEMMs (``moe_grouped_gemm``) beside torch._groupe
 routing, each timed by CUDA-graph replay, and the whole ``moe_prefill`` per method. For A/B runs
 of a kernel change: run it from each tree (its own JIT build).
 
+It also prints the ceiling of the stock design (route, permute, two ``torch._grouped_mm``, act,
+combine): the two library GEMMs as measured plus the permute, act and combine at the copy
+floor of the bytes they must move (the copy rate measured in the same run), the routing as
+measured. No kernel of that design can make the whole op faster than that.
+
     NATIVE_KERNELS=cuda NATIVE_KERNELS_JIT=1 python3 worklogs/remote_scripts/moe_gemm_probe.py
     ncu --kernel-name regex:moe_grouped_gemm --section SpeedOfLight --section Occupancy \
         --section WarpStateStats python3 worklogs/remote_scripts/moe_gemm_probe.py --once
@@ -21,6 +26,9 @@ import torch
 from cuda_graph_timing import graph_replay_ms  # this script's folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # worklogs/: the copy rate
+from decode_step_bench import copy_gbps  # noqa: E402
+
 from vllm_overrides.native import kernels  # noqa: E402
 
 
@@ -57,9 +65,12 @@ def main() -> int:
         return 0
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends_p)
     act_p = ops.moe_act(h, ws_p)
+    y = torch._grouped_mm(act_p, w2.transpose(1, 2), offs=ends_p)
+    inverse = ops.moe_permute(x, w, ids, counts, slot)[2]
     P = T * k
     up, down = 4 * P * H * I, 2 * P * H * I
     cases: dict[str, tuple[Callable[[], object], float]] = {
+        "route": (lambda: ops.moe_route_count(logits, k, True), 0.0),
         "order": (lambda: ops.moe_order(w, ids, counts, slot), 0.0),
         "permute": (lambda: ops.moe_permute(x, w, ids, counts, slot), 0.0),
         "wmma_gate_up": (lambda: ops.moe_grouped_gemm(x, src, w13, ends, tiles, ws), up),
@@ -67,6 +78,7 @@ def main() -> int:
         "act": (lambda: ops.moe_act(h, ws_p), 0.0),
         "wmma_down": (lambda: ops.moe_grouped_gemm(act, None, w2, ends, tiles, None), down),
         "stock_down": (lambda: torch._grouped_mm(act_p, w2.transpose(1, 2), offs=ends_p), down),
+        "combine": (lambda: ops.moe_combine(y, inverse, k, None, None), 0.0),
     }
     for r in (int(v) for v in a.runs.split(",") if v):
         cases[f"wmma_gate_up_run{r}"] = (
@@ -89,9 +101,42 @@ def main() -> int:
         row = {"graph_ms": ms, **({"TFps": fl / (ms * 1e-3) / 1e12} if fl else {})}
         out["cases"][name] = row
         print(f"{name:<22} {ms:9.4f} {row.get('TFps', float('nan')):7.1f}")
+    out["stock_ceiling"] = ceiling(out["cases"], T, P, H, I, up + down, copy_gbps(dev, False))
+    c = out["stock_ceiling"]
+    print(
+        f"stock design ceiling: {c['ms']:.4f} ms = {c['TFps']:.1f} TF/s (GEMMs {c['gemms_ms']:.4f},"
+        f" route {c['route_ms']:.4f}, copy floors: permute {c['permute_floor_ms']:.4f}, act"
+        f" {c['act_floor_ms']:.4f}, combine {c['combine_floor_ms']:.4f}"
+        f" at {c['copy_GBps']:.0f} GB/s)"
+    )
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def ceiling(
+    cases: dict[str, dict[str, float]],
+    T: int,
+    P: int,
+    H: int,
+    inter: int,
+    flops: float,
+    gbps: float,
+) -> dict[str, float]:
+    """The fastest the stock design can be: library GEMMs and routing as measured, the three
+    data movers at the copy floor of their 16-bit bytes (read + written, as ``copy_gbps``)."""
+    floor = {  # bytes each must read and write
+        "permute": (T * H + P * H) * 2,  # x's rows in, every (token, expert) row out
+        "act": (P * 2 * inter + P * inter) * 2,  # gate/up in, the product out
+        "combine": (P * H + T * H) * 2,  # every expert row in, one row a token out
+    }
+    res = {f"{n}_floor_ms": b / (gbps * 1e9) * 1e3 for n, b in floor.items()}
+    res["gemms_ms"] = cases["stock_gate_up"]["graph_ms"] + cases["stock_down"]["graph_ms"]
+    res["route_ms"] = cases["route"]["graph_ms"]
+    res["ms"] = sum(res.values())
+    res["TFps"] = flops / (res["ms"] * 1e-3) / 1e12
+    res["copy_GBps"] = gbps
+    return res
 
 
 if __name__ == "__main__":
