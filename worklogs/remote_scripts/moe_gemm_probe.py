@@ -66,7 +66,6 @@ def main() -> int:
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends_p)
     act_p = ops.moe_act(h, ws_p)
     y = torch._grouped_mm(act_p, w2.transpose(1, 2), offs=ends_p)
-    inverse = ops.moe_permute(x, w, ids, counts, slot)[2]
     P = T * k
     up, down = 4 * P * H * I, 2 * P * H * I
     cases: dict[str, tuple[Callable[[], object], float]] = {
