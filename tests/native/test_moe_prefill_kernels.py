@@ -97,11 +97,11 @@ def test_order_maps_each_row_to_its_token_and_the_tiles_to_experts(kdev: str, T:
     assert torch.equal(tiles.long(), want.long())
 
 
-def _grouped_case(kdev: str, T: int, dtype: torch.dtype) -> tuple:
+def _grouped_case(kdev: str, T: int, dtype: torch.dtype, I: int = 128) -> tuple:  # noqa: E741
     """x, the weights and the expert order of a routing with an empty expert, one expert
     spanning several 128-row tiles and groups that are not multiples of a tile. The emulated
     shape keeps several column blocks in both GEMMs (down 3 of 128, gate/up 2 of 64)."""
-    E, H, I, k = (256, 2048, 128, 8) if kdev == "cuda" else (6, 384, 128, 2)  # noqa: E741
+    E, H, k = (256, 2048, 8) if kdev == "cuda" else (6, 384, 2)
     w13, w2 = _moe_weights(E, H, I, dtype, kdev)
     x = torch.randn(T, H, device=kdev).to(dtype)
     logits = torch.randn(T, E, device=kdev)
@@ -122,7 +122,19 @@ def test_grouped_gemms_vs_float64(kdev: str, dtype: torch.dtype, T: int, run: in
     epilogue, then down, each against float64 on the same inputs, row by row of its expert;
     with each block walking ``run`` column blocks (0: the kernel's choice), the last run of a
     tile partial where ``run`` does not divide them."""
-    x, w13, w2, (src, ws, inverse, ends, tiles) = _grouped_case(kdev, T, dtype)
+    _check_grouped_gemms(kdev, dtype, run, *_grouped_case(kdev, T, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kdev,T", cases([1000], [150]), indirect=["kdev"])
+def test_grouped_gemms_with_a_long_down_k(kdev: str, dtype: torch.dtype, T: int) -> None:
+    """I = 256 (a TP2 rank's): down's K is past what keeps its A tile in shared memory, so it
+    streams A through the stages like gate/up; the same float64 check."""
+    _check_grouped_gemms(kdev, dtype, 0, *_grouped_case(kdev, T, dtype, I=256))
+
+
+def _check_grouped_gemms(kdev, dtype, run, x, w13, w2, order) -> None:  # noqa: ANN001
+    src, ws, inverse, ends, tiles = order
     I = w2.shape[2]  # noqa: E741
     act = torch.ops.vo_kernels.moe_grouped_gemm(x, src, w13, ends, tiles, ws, run)
     y = torch.ops.vo_kernels.moe_grouped_gemm(act, None, w2, ends, tiles, None, run)

@@ -14,6 +14,8 @@
 // A block walks `run` consecutive column blocks of its tile as one pipeline (the next column
 // block's first vectors load during this one's epilogue): down has K = I (128 on a TP4 rank),
 // so a block of one column block spent most of its life on the first load and the epilogue.
+// Down (K <= 128) keeps the tile's A rows in shared memory for the whole walk; its stages then
+// carry weight rows only.
 //
 // The block has kWarps warps of whatever width the device has (8 x warpSize threads: 256 on
 // NVIDIA, 512 with 64-lane warps); warp w computes rows 32 (w % 4) .. + 31 against weight
@@ -29,12 +31,33 @@ constexpr int kTM = kGroupedTileRows;  // 128 rows a tile
 constexpr int kTN = 128;               // weight rows a tile (two halves of 64)
 constexpr int kTK = 32;                // K a step
 constexpr int kLdS = kTK + 8;          // stage row pitch: 80 bytes, rows shift banks by 16
-constexpr int kStageElems = (kTM + kTN) * kLdS;
-constexpr int kVecs = (kTM + kTN) * kTK / 8;  // 16-byte vectors a stage (A rows, then B)
-constexpr int kMaxVecsPerThread = kVecs / (kWarps * 32);  // 32: the narrowest warp
-static_assert(kTM == 128 && kVecs % (kWarps * 32) == 0, "tile shape");
-static_assert(kWarps * 512 * sizeof(float) <= kStageElems * sizeof(uint16_t),
-              "the epilogue's scratch fits in one stage");
+constexpr int kResMaxK = 128;          // down's A tile stays in shared memory up to this K
+// The epilogue's scratch, floats a warp: two 16x16 tiles (gate and up) in a stage of A and B;
+// down with A resident has its own, one tile with rows 24 floats apart, so that the
+// accumulator's 8-byte stores hit distinct banks in each half-warp (16 apart, rows g and g + 2
+// collide).
+constexpr int kScrLdRes = 24;
+constexpr int kScrWarpRes = 16 * kScrLdRes;
+static_assert(kTM == 128 && kTN * kTK / 8 % (kWarps * 32) == 0, "tile shape");
+static_assert(kWarps * 512 * sizeof(float) <= (kTM + kTN) * kLdS * sizeof(uint16_t),
+              "the epilogue's scratch fits in one stage of A and B");
+
+// A stage holds kTK columns of the tile's A rows (unless A is resident) and of its B rows.
+template <bool kResA>
+struct Stage {
+  static constexpr int kARows = kResA ? 0 : kTM;
+  static constexpr int kElems = (kARows + kTN) * kLdS;
+  static constexpr int kVecs = (kARows + kTN) * kTK / 8;   // 16-byte vectors: A rows, then B
+  static constexpr int kPerThread = kVecs / (kWarps * 32);  // 32: the narrowest warp
+};
+
+// Shared memory of a launch, in bytes: two stages, and with A resident its [kTM, K + 8] tile and
+// the epilogue's scratch (a B-only stage is too small for it).
+size_t smem_bytes(bool res_a, int64_t K) {
+  if (!res_a) return 2 * Stage<false>::kElems * sizeof(uint16_t);
+  return (2 * Stage<true>::kElems + kTM * (K + 8)) * sizeof(uint16_t) +
+         kWarps * kScrWarpRes * sizeof(float);
+}
 
 template <typename M>
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, M, wmma::row_major>;
@@ -45,7 +68,10 @@ using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 // kWalk: the block may walk several column blocks (run > 1). Its own instantiation, because
 // the walk keeps the next loads and their pointers live through the epilogue: with one loop
 // for both, gate/up at run 1 ran 41 % slower on an H200 (LEDGER, same section).
-template <typename T, bool kGather, bool kAct, bool kWalk>
+// kResA (down, K <= kResMaxK): the tile's A rows are loaded once, whole K, and stay in shared
+// memory while the block walks its column blocks; the stages then carry B alone, so each
+// column block re-reads only its weights (A was re-read once per column block).
+template <typename T, bool kGather, bool kAct, bool kWalk, bool kResA>
 __global__ void
 #ifndef VO_CPU_EMULATION
 __launch_bounds__(kWarps * 64)  // 64-lane warps at most: <= 128 registers on NVIDIA's 256
@@ -58,8 +84,14 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
     __trap();
   } else {
     using M = typename Mma<T>::type;
+    using S = Stage<kResA>;
+    constexpr int kStageElems = S::kElems, kARows = S::kARows, kPer = S::kPerThread;
     VO_MMA_SMEM(smb);
-    M* stage = reinterpret_cast<M*>(smb);  // [2][kTM + kTN][kLdS]
+    M* stage = reinterpret_cast<M*>(smb);  // [2][kARows + kTN][kLdS]
+    // With kResA: then A [kTM][K + 8] (rows shift banks by 16 bytes), then the scratch.
+    M* res = stage + 2 * kStageElems;
+    const int lda = K + 8;
+    float* scratch = reinterpret_cast<float*>(res + (kResA ? kTM * lda : 0));
     const int tid = threadIdx.x, nthreads = blockDim.x;
     const int warp = tid / warpSize, lane = tid % warpSize;
     const int runs = (col_blocks + run - 1) / run;
@@ -77,42 +109,52 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
     const int nk = K / kTK;  // steps of one column block
     const int ncb = kWalk ? (col_blocks - cb0 < run ? col_blocks - cb0 : run) : 1;
 
+    if constexpr (kResA) {  // the whole A tile, once; rows past the group are zeros
+      const int kv = K / 8;
+      for (int v = tid; v < kTM * kv; v += nthreads) {
+        const int r = v / kv, c = (v % kv) * 8;
+        *reinterpret_cast<uint4*>(res + r * lda + c) =
+            r < rows ? *reinterpret_cast<const uint4*>(a + static_cast<int64_t>(r0 + r) * s_a + c)
+                     : uint4{0u, 0u, 0u, 0u};
+      }
+    }
+
     // This thread's vectors of a stage: source pointers fixed for the whole K walk.
-    const T* vp[kMaxVecsPerThread];
-    int vdst[kMaxVecsPerThread];
+    const T* vp[kPer];
+    int vdst[kPer];
 #pragma unroll
-    for (int i = 0; i < kMaxVecsPerThread; ++i) {
+    for (int i = 0; i < kPer; ++i) {
       const int v = tid + i * nthreads;
       vp[i] = nullptr;
       vdst[i] = -1;
-      if (v < kVecs) {
+      if (v < S::kVecs) {
         const int r = v / (kTK / 8), c = (v % (kTK / 8)) * 8;
         vdst[i] = r * kLdS + c;
-        if (r < kTM) {
+        if (r < kARows) {
           if (r < rows) {
             const int q = r0 + r;
             vp[i] = a + (kGather ? static_cast<int64_t>(src[q]) : q) * s_a + c;
           }
         } else {
-          const int j = r - kTM;
+          const int j = r - kARows;
           const int n = j < kTN / 2 ? n0 + j : half2 + n0 + j - kTN / 2;
           vp[i] = we + static_cast<int64_t>(n) * K + c;
         }
       }
     }
-    uint4 reg[kMaxVecsPerThread];
+    uint4 reg[kPer];
     auto fetch = [&](int c, int k0) {  // column block cb0 + c, K from k0
       const int64_t b0 = k0 + static_cast<int64_t>(c) * cn * K;
 #pragma unroll
-      for (int i = 0; i < kMaxVecsPerThread; ++i)
+      for (int i = 0; i < kPer; ++i)
         reg[i] = vp[i] != nullptr
-                     ? *reinterpret_cast<const uint4*>(vp[i] + (vdst[i] < kTM * kLdS ? k0 : b0))
+                     ? *reinterpret_cast<const uint4*>(vp[i] + (vdst[i] < kARows * kLdS ? k0 : b0))
                      : uint4{0u, 0u, 0u, 0u};
     };
     auto put = [&](int s) {
       M* st = stage + s * kStageElems;
 #pragma unroll
-      for (int i = 0; i < kMaxVecsPerThread; ++i)
+      for (int i = 0; i < kPer; ++i)
         if (vdst[i] >= 0) *reinterpret_cast<uint4*>(st + vdst[i]) = reg[i];
     };
 
@@ -121,8 +163,9 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
     const int wm = warp % 4, wn = warp / 4;
 
     // Epilogue of column block cb through two 16x16 float tiles per warp in scr (a stage no
-    // warp reads any more), in runs of 8 columns: one 16-byte store each (32 runs a tile;
+    // warp reads any more; with kResA one tile of its own), in runs of 8 columns: one 16-byte store each (32 runs a tile;
     // lanes past 32 sit out).
+    constexpr int ldc = kResA ? kScrLdRes : 16;  // scratch row pitch, floats
     auto emit = [&](int cb, float* scr) {
       const int nb = cb * cn;
 #pragma unroll
@@ -130,7 +173,7 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
         const int rt = wm * 32 + i * 16;  // tile row of the fragment's first row
 #pragma unroll
         for (int j = 0; j < (kAct ? 2 : 4); ++j) {
-          wmma::store_matrix_sync(scr, acc[i][j], 16, wmma::mem_row_major);
+          wmma::store_matrix_sync(scr, acc[i][j], ldc, wmma::mem_row_major);
           if (kAct) wmma::store_matrix_sync(scr + 256, acc[i][j + 2], 16, wmma::mem_row_major);
           __syncwarp();
           for (int u = lane; u < 32; u += warpSize) {
@@ -145,7 +188,7 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
                   f[t] = silu_f(scr[r * 16 + c8 + t]) * scr[256 + r * 16 + c8 + t] * wq;
               } else {
 #pragma unroll
-                for (int t = 0; t < 8; ++t) f[t] = scr[r * 16 + c8 + t];
+                for (int t = 0; t < 8; ++t) f[t] = scr[r * ldc + c8 + t];
               }
               const int col = kAct ? nb + wn * 32 + j * 16 + c8
                                    : nb + (j < 2 ? 0 : kTN / 2) + wn * 32 + (j % 2) * 16 + c8;
@@ -176,13 +219,18 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
         for (int kk = 0; kk < kTK; kk += 16) {
           FragA<M> fa[2];
 #pragma unroll
-          for (int i = 0; i < 2; ++i)
-            wmma::load_matrix_sync(fa[i], st + (wm * 32 + i * 16) * kLdS + kk, kLdS);
+          for (int i = 0; i < 2; ++i) {
+            const int ar = wm * 32 + i * 16;
+            if constexpr (kResA)
+              wmma::load_matrix_sync(fa[i], res + ar * lda + k * kTK + kk, lda);
+            else
+              wmma::load_matrix_sync(fa[i], st + ar * kLdS + kk, kLdS);
+          }
 #pragma unroll
           for (int j = 0; j < 4; ++j) {  // one B fragment live at a time (registers)
             FragBt<M> fb;
             const int br = (j < 2 ? 0 : kTN / 2) + wn * 32 + (j % 2) * 16;
-            wmma::load_matrix_sync(fb, st + (kTM + br) * kLdS + kk, kLdS);
+            wmma::load_matrix_sync(fb, st + (kARows + br) * kLdS + kk, kLdS);
 #pragma unroll
             for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
           }
@@ -192,8 +240,14 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
           __syncthreads();
         }
       }
-      __syncthreads();  // every warp is past the last stage: it becomes the scratch
-      emit(cb0 + c, reinterpret_cast<float*>(stage + ((t - 1) & 1) * kStageElems) + warp * 512);
+      if constexpr (kResA) {
+        // The scratch is its own; the stage put() fills was last read two steps ago, before
+        // the previous step's barrier.
+        emit(cb0 + c, scratch + warp * kScrWarpRes);
+      } else {
+        __syncthreads();  // every warp is past the last stage: it becomes the scratch
+        emit(cb0 + c, reinterpret_cast<float*>(stage + ((t - 1) & 1) * kStageElems) + warp * 512);
+      }
       if (c + 1 < ncb) put(t & 1);
       __syncthreads();
     }
@@ -266,13 +320,16 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
   const int64_t runs = (col_blocks + run - 1) / run;
   TORCH_CHECK(tiles * runs < (int64_t{1} << 31), "moe_grouped_gemm: grid too large");
   const int threads = kWarps * VO_WARP_SIZE(a);
-  const size_t smem = 2 * kStageElems * sizeof(uint16_t);
+  const bool res_a = !gather && K <= kResMaxK;
+  const size_t smem = smem_bytes(res_a, K);
   auto launch = [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
-    auto* kernel = gather ? (run > 1 ? &moe_grouped_gemm_kernel<S, true, true, true>
-                                     : &moe_grouped_gemm_kernel<S, true, true, false>)
-                          : (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true>
-                                     : &moe_grouped_gemm_kernel<S, false, false, false>);
+    auto* kernel = gather ? (run > 1 ? &moe_grouped_gemm_kernel<S, true, true, true, false>
+                                     : &moe_grouped_gemm_kernel<S, true, true, false, false>)
+                 : res_a  ? (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, true>
+                                     : &moe_grouped_gemm_kernel<S, false, false, false, true>)
+                          : (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, false>
+                                     : &moe_grouped_gemm_kernel<S, false, false, false, false>);
 #ifndef VO_CPU_EMULATION
     if (smem > 48 * 1024)  // above the default: opt in
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
