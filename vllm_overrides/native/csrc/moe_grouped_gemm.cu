@@ -128,7 +128,11 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
       vp[i] = nullptr;
       vdst[i] = -1;
       if (v < S::kVecs) {
-        const int r = v / (kTK / 8), c = (v % (kTK / 8)) * 8;
+        // Eight consecutive vectors cover rows r and r + 4, four each: with rows 80 bytes apart
+        // a quarter-warp's 16-byte stores then fall on distinct banks (rows r, r + 1 share one).
+        static_assert(kTK / 8 == 4 && (kTM + kTN) % 8 == 0, "four vectors a row");
+        const int g = v / 8, l = v % 8;
+        const int r = g / 4 * 8 + g % 4 + l / 4 * 4, c = l % 4 * 8;
         vdst[i] = r * kLdS + c;
         if (r < kARows) {
           if (r < rows) {
@@ -187,8 +191,15 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
                 for (int t = 0; t < 8; ++t)
                   f[t] = silu_f(scr[r * 16 + c8 + t]) * scr[256 + r * 16 + c8 + t] * wq;
               } else {
-#pragma unroll
-                for (int t = 0; t < 8; ++t) f[t] = scr[r * ldc + c8 + t];
+                // Two 16-byte reads, odd lanes taking their second half first: with rows 24
+                // floats apart each quarter-warp's reads then fall on distinct banks.
+                const int h = (u % 2) * 4;
+                const float* row = scr + r * ldc + c8;
+                const float4 v0 = *reinterpret_cast<const float4*>(row + h);
+                const float4 v1 = *reinterpret_cast<const float4*>(row + 4 - h);
+                const float4 lo = h ? v1 : v0, hi = h ? v0 : v1;
+                f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w;
+                f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
               }
               const int col = kAct ? nb + wn * 32 + j * 16 + c8
                                    : nb + (j < 2 ? 0 : kTN / 2) + wn * 32 + (j % 2) * 16 + c8;
