@@ -29,8 +29,8 @@
 //   survive), W, K~, h (the B operand of W h^T; the state itself stays in float32
 //   accumulator fragments for the whole walk), v' (split v'_hi + v'_lo in the state update,
 //   single in the output) and S = lower(Gamma) * q k^T. Scratch: G, U, final state float32;
-//   W, K~, v', h_c in the input dtype. Shared memory (K = V = 128, kBlock 256): prep 44 KB,
-//   state 52 KB (W and K~ of a chunk both resident: opt-in attribute), output 90 KB (q, k,
+//   W, K~, v', h_c in the input dtype. Shared memory (K = V = 128, kBlock 256): prep 48.25 KB
+//   (opt-in attribute), state 56 KB (W and K~ of a chunk both resident: opt-in), output 94 KB (q, k,
 //   h and v' all resident: opt-in; two blocks per SM on an H200). The state pass uses
 //   16-row V slices (one wmma tile row; v_split is not used), warp w keeping h tiles w,
 //   w + nwarps, ...; the next chunk's W, K~ (registers) and U (fragments) load while the
@@ -521,7 +521,11 @@ __host__ __device__ constexpr int pitch16(int cols) { return cols + 8; }
 __host__ __device__ constexpr int round128(int bytes) { return (bytes + 127) / 128 * 128; }
 // One 16x16 float staging tile per warp (accumulator -> per-row scaling / dtype conversion);
 // warps are at least 32 lanes wide, so kBlock / 32 tiles cover any warp size.
-constexpr int kScratchBytes = kBlock / 32 * 256 * 4;
+// A warp's scratch tile: 16 rows 24 floats apart (frag_out8; the tile's other users keep rows
+// 16 apart inside it).
+constexpr int kScrLd = 24;
+constexpr int kScrWarp = 16 * kScrLd;
+constexpr int kScratchBytes = kBlock / 32 * kScrWarp * 4;
 // Float pitch of the prep kernel's A / T matrix (C + 8 floats: the region then holds exactly
 // the two 16-bit [C][C + 8] halves T_hi, T_lo that replace it).
 constexpr int kLdA = kChunk + 8;
@@ -634,15 +638,22 @@ __device__ __forceinline__ void vec_row_factors(const uint4 (&st)[kRowVecs], int
 // The warp's accumulator tile through its scratch tile, by runs of 8: put8(r, c0, x) gets row
 // r's columns c0 .. c0 + 7 (c0 = 0 or 8), so the caller packs 16-byte stores (one 16-byte
 // store instead of eight 2-byte ones, and one call per lane instead of eight on 32-lane warps:
-// fewer instructions, which bound the state pass's serial path and the prep). 32 runs per tile, so lanes past 32 sit out. Warp-collective; `scr` is the
-// warp's 16-byte aligned scratch tile.
+// fewer instructions, which bound the state pass's serial path and the prep). 32 runs per
+// tile, so lanes past 32 sit out. Warp-collective; `scr` is the warp's 32-byte aligned scratch
+// tile of kScrWarp floats. Bank conflicts (shared memory wavefronts the accumulator's 8-byte
+// stores and the 16-byte reads need): rows 24 floats apart put each half-warp's stores on
+// distinct banks (16 apart, rows g and g + 2 collide), and odd lanes reading their second 16
+// bytes first do the same for each quarter-warp's reads.
 template <typename F>
 __device__ __forceinline__ void frag_out8(const FragC& f, float* __restrict__ scr, F&& put8) {
-  wmma::store_matrix_sync(scr, f, 16, wmma::mem_row_major);
+  wmma::store_matrix_sync(scr, f, kScrLd, wmma::mem_row_major);
   __syncwarp();
   for (int e = threadIdx.x % warpSize; e < 32; e += warpSize) {
-    const float4 a = reinterpret_cast<const float4*>(scr)[2 * e];
-    const float4 b = reinterpret_cast<const float4*>(scr)[2 * e + 1];
+    const int h = (e % 2) * 4;
+    const float* row = scr + (e / 2) * kScrLd + (e % 2) * 8;
+    const float4 v0 = *reinterpret_cast<const float4*>(row + h);
+    const float4 v1 = *reinterpret_cast<const float4*>(row + 4 - h);
+    const float4 a = h ? v1 : v0, b = h ? v0 : v1;
     const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     put8(e / 2, (e % 2) * 8, x);
   }
@@ -772,7 +783,7 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
     M* Thi = reinterpret_cast<M*>(smb + L.a);
     M* Tlo = Thi + C * pitch16(C);
     const int warp = threadIdx.x / warpSize, nwarps = blockDim.x / warpSize;
-    float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * 256;
+    float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * kScrWarp;
     const int lda = kLdA, ldx = pitch16(K > V ? K : V), ldt = pitch16(C);
     const int64_t c = blockIdx.x;
     const int hv = blockIdx.y, kh = hv / (HV / H), tid = threadIdx.x;
@@ -945,7 +956,7 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
     M* vlo = reinterpret_cast<M*>(smb + L.vlo);  // v' - vm
     const int warp = threadIdx.x / warpSize, nwarps = blockDim.x / warpSize;
     const int lane = threadIdx.x % warpSize, tid = threadIdx.x;
-    float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * 256;
+    float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * kScrWarp;
     constexpr int ldk = pitch16(K), ldv = pitch16(vs);
     const int s = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * vs;
     constexpr int nh = K / 16;  // h tiles (vs = 16: one tile row)
@@ -1150,7 +1161,7 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
     M* hs = reinterpret_cast<M*>(smb + L.h);
     M* vs = reinterpret_cast<M*>(smb + L.vn);
     const int warp = threadIdx.x / warpSize, nwarps = blockDim.x / warpSize;
-    float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * 256;
+    float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * kScrWarp;
     const int ldk = pitch16(K), lds = pitch16(C), ldv = pitch16(V);
     const int64_t c = blockIdx.x;
     const int hv = blockIdx.y, kh = hv / (HV / H), tid = threadIdx.x;
@@ -1325,6 +1336,11 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const bool fixed = K == kDimsFixed && V == kDimsFixed;
     if (slots > 0 && ntok > 0) {
       auto prep = [&](auto kernel) {
+#ifndef VO_CPU_EMULATION
+        if (la.total > 48 * 1024)  // 48.25 KB for K = V = 128
+          C10_CUDA_CHECK(cudaFuncSetAttribute(
+              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, la.total));
+#endif
         VO_LAUNCH(kernel, dim3(slots, HV), kBlock, la.total, k.data_ptr<T>(), v.data_ptr<T>(),
             g.data_ptr<float>(), beta.data_ptr<float>(), cup, offp, N, H, HV, K, V, l2norm,
             Gb.data_ptr<float>(), m16(Wb), Ub.data_ptr<float>(), m16(Kt));
