@@ -133,6 +133,19 @@ def test_grouped_gemms_with_a_long_down_k(kdev: str, dtype: torch.dtype, T: int)
     _check_grouped_gemms(kdev, dtype, 0, *_grouped_case(kdev, T, dtype, I=256))
 
 
+@pytest.mark.parametrize("kdev,T", cases([], [150]), indirect=["kdev"])
+def test_grouped_gemms_where_a_block_gets_48_kb(kdev: str, T: int) -> None:
+    """Down with its A tile resident asks for 66 KB of shared memory. On a device that grants a
+    block 48 KB (the emulation refuses a launch past its limit, as a device does) down takes
+    the streamed path instead of a refused launch; the same float64 check."""
+    ops = torch.ops.vo_kernels
+    ops.emu_set_smem_optin(48 * 1024)
+    try:
+        _check_grouped_gemms(kdev, torch.float16, 0, *_grouped_case(kdev, T, torch.float16))
+    finally:
+        ops.emu_set_smem_optin(227 * 1024)
+
+
 def _check_grouped_gemms(kdev, dtype, run, x, w13, w2, order) -> None:  # noqa: ANN001
     src, ws, inverse, ends, tiles = order
     I = w2.shape[2]  # noqa: E741

@@ -34,6 +34,8 @@
 #define VO_DEVICE_GUARD(t) const c10::cuda::OptionalCUDAGuard vo_guard_((t).device())
 #define VO_SM_COUNT(t) at::cuda::getDeviceProperties((t).get_device())->multiProcessorCount
 #define VO_WARP_SIZE(t) at::cuda::getDeviceProperties((t).get_device())->warpSize
+#define VO_SMEM_OPTIN(t) \
+  static_cast<int64_t>(at::cuda::getDeviceProperties((t).get_device())->sharedMemPerBlockOptin)
 #define VO_DYN_SMEM(type, name) extern __shared__ type name[]
 // The launch check turns a launch the device refuses (too much shared memory, too many
 // registers for the block) into an exception at the call -- which the Python side can answer

@@ -12,4 +12,6 @@
 TORCH_LIBRARY_FRAGMENT(vo_kernels, m) {
   // The emulated warp width (a GPU's is fixed; the tests run the target's 64 and NVIDIA's 32).
   m.def("emu_set_warp_size", [](int64_t w) { warpSize = static_cast<int>(w); });
+  // The shared memory a block may have (tests of a smaller device than the H200's 227 KB).
+  m.def("emu_set_smem_optin", [](int64_t bytes) { smemPerBlockOptin = bytes; });
 }

@@ -52,6 +52,9 @@ inline dim3 blockIdx;
 inline dim3 blockDim;
 inline dim3 gridDim;
 inline int warpSize = 64;
+// Shared memory a block may have, in bytes (an H200's opt-in limit unless a test lowers it): a
+// launch that asks for more is refused, as a device refuses it.
+inline int64_t smemPerBlockOptin = 227 * 1024;
 
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using std::max;
@@ -110,6 +113,8 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
   const int n = static_cast<int>(block.x);
   if (block.y != 1 || block.z != 1 || n % warpSize != 0)
     throw std::runtime_error("vo cpu emulation: 1-D blocks of whole warps only");
+  if (static_cast<int64_t>(smem_bytes) > smemPerBlockOptin)
+    throw std::runtime_error("vo cpu emulation: more shared memory than a block may have");
   Launch l;
   l.ctx.resize(n);
   l.done.assign(n, 0);
@@ -283,6 +288,7 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
 // An H200's SM count, so that the tests' batch sizes take both of a kernel's grid layouts.
 #define VO_SM_COUNT(t) ((void)(t), 132)
 #define VO_WARP_SIZE(t) ((void)(t), warpSize)
+#define VO_SMEM_OPTIN(t) ((void)(t), smemPerBlockOptin)
 #define VO_DYN_SMEM(type, name) type* name = reinterpret_cast<type*>(vo_emu::current->smem.data())
 #define VO_LAUNCH(kernel, grid, block, smem, ...) \
   vo_emu::launch(dim3(grid), dim3(block), (smem), [&] { kernel(__VA_ARGS__); })

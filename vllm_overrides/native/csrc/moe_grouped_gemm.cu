@@ -331,7 +331,10 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
   const int64_t runs = (col_blocks + run - 1) / run;
   TORCH_CHECK(tiles * runs < (int64_t{1} << 31), "moe_grouped_gemm: grid too large");
   const int threads = kWarps * VO_WARP_SIZE(a);
-  const bool res_a = !gather && K <= kResMaxK;
+  // A device that grants a block less than the resident tile needs keeps down on the streamed
+  // path (40 KB) instead of losing the kernel to the per-expert loop.
+  const bool res_a =
+      !gather && K <= kResMaxK && static_cast<int64_t>(smem_bytes(true, K)) <= VO_SMEM_OPTIN(a);
   const size_t smem = smem_bytes(res_a, K);
   auto launch = [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
