@@ -37,6 +37,14 @@
 #define VO_SMEM_OPTIN(t) \
   static_cast<int64_t>(at::cuda::getDeviceProperties((t).get_device())->sharedMemPerBlockOptin)
 #define VO_DYN_SMEM(type, name) extern __shared__ type name[]
+// A kernel whose blocks ask for more than the 48 KB of dynamic shared memory every device
+// grants by default must opt in before its launch (the device may still refuse: VO_LAUNCH).
+#define VO_SMEM_OPT_IN(kernel, bytes)                                           \
+  do {                                                                         \
+    if ((bytes) > 48 * 1024)                                                   \
+      C10_CUDA_CHECK(cudaFuncSetAttribute(                                     \
+          (kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes))); \
+  } while (0)
 // The launch check turns a launch the device refuses (too much shared memory, too many
 // registers for the block) into an exception at the call -- which the Python side can answer
 // with the PyTorch path -- instead of a kernel that silently never ran.

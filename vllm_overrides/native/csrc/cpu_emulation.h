@@ -289,6 +289,8 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
 #define VO_SM_COUNT(t) ((void)(t), 132)
 #define VO_WARP_SIZE(t) ((void)(t), warpSize)
 #define VO_SMEM_OPTIN(t) ((void)(t), smemPerBlockOptin)
+// Nothing to opt in to: launch() checks the request against smemPerBlockOptin.
+#define VO_SMEM_OPT_IN(kernel, bytes) ((void)(kernel), (void)(bytes))
 #define VO_DYN_SMEM(type, name) type* name = reinterpret_cast<type*>(vo_emu::current->smem.data())
 #define VO_LAUNCH(kernel, grid, block, smem, ...) \
   vo_emu::launch(dim3(grid), dim3(block), (smem), [&] { kernel(__VA_ARGS__); })

@@ -29,15 +29,15 @@
 //   survive), W, K~, h (the B operand of W h^T; the state itself stays in float32
 //   accumulator fragments for the whole walk), v' (split v'_hi + v'_lo in the state update,
 //   single in the output) and S = lower(Gamma) * q k^T. Scratch: G, U, final state float32;
-//   W, K~, v', h_c in the input dtype. Shared memory (K = V = 128, kBlock 256): prep 48.25 KB
-//   (opt-in attribute), state 56 KB (W and K~ of a chunk both resident: opt-in), output 94 KB (q, k,
-//   h and v' all resident: opt-in; two blocks per SM on an H200). The state pass uses
-//   16-row V slices (one wmma tile row; v_split is not used), warp w keeping h tiles w,
-//   w + nwarps, ...; the next chunk's W, K~ (registers) and U (fragments) load while the
-//   current chunk computes. Each warp stages accumulator tiles through its own 16x16 float
-//   scratch tile for per-row scaling and dtype conversion (the fragment's element -> (row,
-//   col) map is unspecified; the output pass scales instead by an accumulator fragment loaded
-//   from a tile of its row factors). Tiles are handed to warps in loops over
+//   W, K~, v', h_c in the input dtype. Shared memory (K = V = 128, kBlock 256), each past
+//   the 48 KB default (opt-in): prep 48.25 KB, state 56 KB (W and K~ of a chunk both
+//   resident), output 94 KB (q, k, h and v' all resident; two blocks per SM on an H200).
+//   The state pass uses 16-row V slices (one wmma tile row; v_split is not used), warp w
+//   keeping h tiles w, w + nwarps, ...; the next chunk's W, K~ (registers) and U (fragments)
+//   load while the current chunk computes. Each warp stages accumulator tiles through its own
+//   16x16 float scratch tile for per-row scaling and dtype conversion (the fragment's
+//   element -> (row, col) map is unspecified; the output pass scales instead by an accumulator
+//   fragment loaded from a tile of its row factors). Tiles are handed to warps in loops over
 //   blockDim / warpSize warps, so any warp width works (wmma is warp-collective).
 // * float32: float32 FMA loops over shared-memory tiles (16-bit operands would miss float32
 //   accuracy), in which a thread keeps one output column for several rows in registers, so
@@ -1336,11 +1336,7 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const bool fixed = K == kDimsFixed && V == kDimsFixed;
     if (slots > 0 && ntok > 0) {
       auto prep = [&](auto kernel) {
-#ifndef VO_CPU_EMULATION
-        if (la.total > 48 * 1024)  // 48.25 KB for K = V = 128
-          C10_CUDA_CHECK(cudaFuncSetAttribute(
-              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, la.total));
-#endif
+        VO_SMEM_OPT_IN(kernel, la.total);  // 48.25 KB for K = V = 128
         VO_LAUNCH(kernel, dim3(slots, HV), kBlock, la.total, k.data_ptr<T>(), v.data_ptr<T>(),
             g.data_ptr<float>(), beta.data_ptr<float>(), cup, offp, N, H, HV, K, V, l2norm,
             Gb.data_ptr<float>(), m16(Wb), Ub.data_ptr<float>(), m16(Kt));
@@ -1349,12 +1345,7 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       else prep(gdn_chunk_prep_mma_kernel<T, 0, 0>);
     }
     auto state_pass = [&](auto kernel) {
-#ifndef VO_CPU_EMULATION
-      // W and K~ both resident: above the 48 KB default for K = 128 (52 KB), so opt in.
-      if (lb.total > 48 * 1024)
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            lb.total));
-#endif
+      VO_SMEM_OPT_IN(kernel, lb.total);  // W and K~ both resident: 56 KB for K = 128
       VO_LAUNCH(kernel, dim3(N, HV, V / kMmaVs), kBlock, lb.total, offp, HV, V,
           Gb.data_ptr<float>(), m16(Wb), m16(Kt), Ub.data_ptr<float>(), m16(Vn), m16(Hb), h0p,
           fin.data_ptr<float>());
@@ -1364,12 +1355,8 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     else state_pass(gdn_chunk_state_mma_kernel<T, 32>);
     if (slots > 0 && ntok > 0) {
       auto output = [&](auto kernel) {
-#ifndef VO_CPU_EMULATION
-        // q, k, h and v' all staged: 90 KB for K = V = 128 (two blocks per SM on an H200).
-        if (lc.total > 48 * 1024)
-          C10_CUDA_CHECK(cudaFuncSetAttribute(
-              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lc.total));
-#endif
+        // q, k, h and v' all staged: 94 KB for K = V = 128 (two blocks per SM on an H200).
+        VO_SMEM_OPT_IN(kernel, lc.total);
         VO_LAUNCH(kernel, dim3(slots, HV), kBlock, lc.total, q.data_ptr<T>(), k.data_ptr<T>(),
             cup, offp, N, H, HV, K, V, static_cast<float>(scale), l2norm, Gb.data_ptr<float>(),
             m16(Vn), m16(Hb), out.data_ptr<T>());

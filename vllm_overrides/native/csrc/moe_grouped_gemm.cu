@@ -344,11 +344,7 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
                                      : &moe_grouped_gemm_kernel<S, false, false, false, true>)
                           : (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, false>
                                      : &moe_grouped_gemm_kernel<S, false, false, false, false>);
-#ifndef VO_CPU_EMULATION
-    if (smem > 48 * 1024)  // above the default: opt in
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-#endif
+    VO_SMEM_OPT_IN(kernel, smem);
     VO_LAUNCH(kernel, static_cast<unsigned>(tiles * runs), threads, smem,
         a.data_ptr<S>(), a.stride(0), gather ? src->data_ptr<int>() : nullptr, w.data_ptr<S>(),
         static_cast<int>(N), static_cast<int>(K), ends.data_ptr<int>(), tile_starts.data_ptr<int>(),
