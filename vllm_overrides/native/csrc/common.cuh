@@ -297,6 +297,37 @@ __device__ constexpr bool mma_arch_ok() {
 #endif
 }
 
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+// A warp's float scratch tile for frag_out8: 16 rows kScrLd floats apart.
+constexpr int kScrLd = 24;
+constexpr int kScrWarp = 16 * kScrLd;
+
+// The warp's accumulator tile through its scratch tile, by runs of 8: put8(r, c0, x) gets row
+// r's columns c0 .. c0 + 7 (c0 = 0 or 8), so the caller packs 16-byte stores (one 16-byte
+// store instead of eight 2-byte ones, and one call per lane instead of eight on 32-lane warps:
+// fewer instructions, which bound the GDN state pass's serial path and its prep). 32 runs per
+// tile, so lanes past 32 sit out. Warp-collective; `scr` is the warp's 32-byte aligned scratch
+// tile of kScrWarp floats. Bank conflicts (shared memory wavefronts the accumulator's 8-byte
+// stores and the 16-byte reads need): rows 24 floats apart put each half-warp's stores on
+// distinct banks (16 apart, rows g and g + 2 collide), and odd lanes reading their second 16
+// bytes first do the same for each quarter-warp's reads.
+template <typename F>
+__device__ __forceinline__ void frag_out8(const FragC& f, float* __restrict__ scr, F&& put8) {
+  wmma::store_matrix_sync(scr, f, kScrLd, wmma::mem_row_major);
+  __syncwarp();
+  for (int e = threadIdx.x % warpSize; e < 32; e += warpSize) {
+    const int h = (e % 2) * 4;
+    const float* row = scr + (e / 2) * kScrLd + (e % 2) * 8;
+    const float4 v0 = *reinterpret_cast<const float4*>(row + h);
+    const float4 v1 = *reinterpret_cast<const float4*>(row + 4 - h);
+    const float4 a = h ? v1 : v0, b = h ? v0 : v1;
+    const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    put8(e / 2, (e % 2) * 8, x);
+  }
+  __syncwarp();
+}
+
 #ifdef VO_CPU_EMULATION
 #define VO_MMA_SMEM(name) VO_DYN_SMEM(unsigned char, name)
 #else

@@ -513,7 +513,6 @@ template <typename M>
 using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, M, wmma::row_major>;
 template <typename M>
 using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, M, wmma::col_major>;
-using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
 // Row pitch of 16-bit tiles: +8 elements keeps wmma's ldm rule (a multiple of 16 bytes) and
 // shifts consecutive rows by 16 bytes, so a tile's 16 rows spread over the banks.
@@ -521,10 +520,8 @@ __host__ __device__ constexpr int pitch16(int cols) { return cols + 8; }
 __host__ __device__ constexpr int round128(int bytes) { return (bytes + 127) / 128 * 128; }
 // One 16x16 float staging tile per warp (accumulator -> per-row scaling / dtype conversion);
 // warps are at least 32 lanes wide, so kBlock / 32 tiles cover any warp size.
-// A warp's scratch tile: 16 rows 24 floats apart (frag_out8; the tile's other users keep rows
-// 16 apart inside it).
-constexpr int kScrLd = 24;
-constexpr int kScrWarp = 16 * kScrLd;
+// A warp's scratch tile: kScrWarp floats (frag_out8; the tile's other users keep rows 16
+// apart inside it).
 constexpr int kScratchBytes = kBlock / 32 * kScrWarp * 4;
 // Float pitch of the prep kernel's A / T matrix (C + 8 floats: the region then holds exactly
 // the two 16-bit [C][C + 8] halves T_hi, T_lo that replace it).
@@ -633,31 +630,6 @@ __device__ __forceinline__ void vec_row_factors(const uint4 (&st)[kRowVecs], int
     if (e < kChunk * per && e % per == 0)
       out[row] = row < len ? (l2 ? rsqrtf(ss + 1e-6f) : 1.f) : 0.f;
   }
-}
-
-// The warp's accumulator tile through its scratch tile, by runs of 8: put8(r, c0, x) gets row
-// r's columns c0 .. c0 + 7 (c0 = 0 or 8), so the caller packs 16-byte stores (one 16-byte
-// store instead of eight 2-byte ones, and one call per lane instead of eight on 32-lane warps:
-// fewer instructions, which bound the state pass's serial path and the prep). 32 runs per
-// tile, so lanes past 32 sit out. Warp-collective; `scr` is the warp's 32-byte aligned scratch
-// tile of kScrWarp floats. Bank conflicts (shared memory wavefronts the accumulator's 8-byte
-// stores and the 16-byte reads need): rows 24 floats apart put each half-warp's stores on
-// distinct banks (16 apart, rows g and g + 2 collide), and odd lanes reading their second 16
-// bytes first do the same for each quarter-warp's reads.
-template <typename F>
-__device__ __forceinline__ void frag_out8(const FragC& f, float* __restrict__ scr, F&& put8) {
-  wmma::store_matrix_sync(scr, f, kScrLd, wmma::mem_row_major);
-  __syncwarp();
-  for (int e = threadIdx.x % warpSize; e < 32; e += warpSize) {
-    const int h = (e % 2) * 4;
-    const float* row = scr + (e / 2) * kScrLd + (e % 2) * 8;
-    const float4 v0 = *reinterpret_cast<const float4*>(row + h);
-    const float4 v1 = *reinterpret_cast<const float4*>(row + 4 - h);
-    const float4 a = h ? v1 : v0, b = h ? v0 : v1;
-    const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    put8(e / 2, (e % 2) * 8, x);
-  }
-  __syncwarp();
 }
 
 // T = (I + A)^-1 of the prep_mma kernel, in place: A [C, C] float32 in shared memory (row
