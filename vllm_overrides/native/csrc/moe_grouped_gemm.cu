@@ -32,13 +32,14 @@ constexpr int kTN = 128;               // weight rows a tile (two halves of 64)
 constexpr int kTK = 32;                // K a step
 constexpr int kLdS = kTK + 8;          // stage row pitch: 80 bytes, rows shift banks by 16
 constexpr int kResMaxK = 128;          // down's A tile stays in shared memory up to this K
-// The epilogue's scratch, floats a warp: gate/up's two 16x16 tiles (gate and up) or down's
-// frag_out8 tile (kScrWarp), in a stage of A and B; down with A resident has its own (a B-only
-// stage is too small).
-constexpr int kScrWarpStage = 512;
+// The epilogue's scratch, floats a warp: two 16x16 tiles (gate and up) in a stage of A and B;
+// down with A resident has its own, one tile laid out as frag_out8's (common.cuh: rows kScrLd
+// = 24 floats apart, so that the accumulator's 8-byte stores hit distinct banks in each
+// half-warp). Down reads it back inline rather than through frag_out8: that call, with the
+// same reads, made both GEMMs 3-4 % slower in bf16 on the H200 (the compiler schedules the
+// kernel differently; worklogs/results/review-refactors-h200-2026-12-04).
 static_assert(kTM == 128 && kTN * kTK / 8 % (kWarps * 32) == 0, "tile shape");
-static_assert(kScrWarp <= kScrWarpStage &&
-                  kWarps * kScrWarpStage * sizeof(float) <= (kTM + kTN) * kLdS * sizeof(uint16_t),
+static_assert(kWarps * 512 * sizeof(float) <= (kTM + kTN) * kLdS * sizeof(uint16_t),
               "the epilogue's scratch fits in one stage of A and B");
 
 // A stage holds kTK columns of the tile's A rows (unless A is resident) and of its B rows.
@@ -164,44 +165,47 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
     FragC acc[2][4];
     const int wm = warp % 4, wn = warp / 4;
 
-    // Epilogue of column block cb through the warp's scratch tiles in scr (a stage no warp reads
-    // any more; with kResA its own). Gate/up: its gate and up tiles side by side, in runs of 8
-    // columns, one 16-byte store of silu(gate) * up * weight each (32 runs a tile; lanes past
-    // 32 sit out). Down: each tile through frag_out8.
+    // Epilogue of column block cb through two 16x16 float tiles per warp in scr (a stage no
+    // warp reads any more; with kResA one tile of its own), in runs of 8 columns: one 16-byte
+    // store each (32 runs a tile; lanes past 32 sit out).
+    constexpr int ldc = kResA ? kScrLd : 16;  // scratch row pitch, floats
     auto emit = [&](int cb, float* scr) {
       const int nb = cb * cn;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int rt = wm * 32 + i * 16;  // tile row of the fragment's first row
-        if constexpr (kAct) {
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            wmma::store_matrix_sync(scr, acc[i][j], 16, wmma::mem_row_major);
-            wmma::store_matrix_sync(scr + 256, acc[i][j + 2], 16, wmma::mem_row_major);
-            __syncwarp();
-            for (int u = lane; u < 32; u += warpSize) {
-              const int r = u / 2, c8 = (u % 2) * 8;
-              if (rt + r < rows) {
-                const int q = r0 + rt + r;
+        for (int j = 0; j < (kAct ? 2 : 4); ++j) {
+          wmma::store_matrix_sync(scr, acc[i][j], ldc, wmma::mem_row_major);
+          if (kAct) wmma::store_matrix_sync(scr + 256, acc[i][j + 2], 16, wmma::mem_row_major);
+          __syncwarp();
+          for (int u = lane; u < 32; u += warpSize) {
+            const int r = u / 2, c8 = (u % 2) * 8;
+            if (rt + r < rows) {
+              const int q = r0 + rt + r;
+              float f[8];
+              if (kAct) {
                 const float wq = ws[q];
-                float f[8];
 #pragma unroll
                 for (int t = 0; t < 8; ++t)
                   f[t] = silu_f(scr[r * 16 + c8 + t]) * scr[256 + r * 16 + c8 + t] * wq;
-                store_vec(out + static_cast<int64_t>(q) * s_out + nb + wn * 32 + j * 16 + c8, f);
+              } else {
+                // Two 16-byte reads, odd lanes taking their second half first: with rows 24
+                // floats apart each quarter-warp's reads then fall on distinct banks.
+                const int h = (u % 2) * 4;
+                const float* row = scr + r * ldc + c8;
+                const float4 v0 = *reinterpret_cast<const float4*>(row + h);
+                const float4 v1 = *reinterpret_cast<const float4*>(row + 4 - h);
+                const float4 lo = h ? v1 : v0, hi = h ? v0 : v1;
+                f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w;
+                f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
               }
+              const int col = kAct ? nb + wn * 32 + j * 16 + c8
+                                   : nb + (j < 2 ? 0 : kTN / 2) + wn * 32 + (j % 2) * 16 + c8;
+              store_vec(out + static_cast<int64_t>(q) * s_out + col, f);
             }
-            __syncwarp();
           }
-        } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int col = nb + (j < 2 ? 0 : kTN / 2) + wn * 32 + (j % 2) * 16;
-            frag_out8(acc[i][j], scr, [&](int r, int c8, const float (&x)[8]) {
-              if (rt + r < rows)
-                store_vec(out + static_cast<int64_t>(r0 + rt + r) * s_out + col + c8, x);
-            });
-          }
+          __syncwarp();
         }
       }
     };
@@ -252,8 +256,7 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
         emit(cb0 + c, scratch + warp * kScrWarp);
       } else {
         __syncthreads();  // every warp is past the last stage: it becomes the scratch
-        emit(cb0 + c,
-             reinterpret_cast<float*>(stage + ((t - 1) & 1) * kStageElems) + warp * kScrWarpStage);
+        emit(cb0 + c, reinterpret_cast<float*>(stage + ((t - 1) & 1) * kStageElems) + warp * 512);
       }
       if (c + 1 < ncb) put(t & 1);
       __syncthreads();
