@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """GDN chunk prefill kernels alone, one TP4 shard of Qwen3.6-35B-A3B (H 4, HV 8, K = V = 128,
-bf16 or fp16, one sequence): per-kernel GPU time by torch.profiler, for A/B runs of a kernel
-change and as the target of an Nsight Compute run (``ncu --kernel-name regex:state_mma ...
-python3 this``); ``--err`` adds the output's and final state's errors against float64.
+bf16 or fp16, one sequence or ``--seqs`` equal ones): per-kernel GPU time by torch.profiler,
+for A/B runs of a kernel change and as the target of an Nsight Compute run (``ncu
+--kernel-name regex:state_mma ... python3 this``); ``--err`` adds the output's and final
+state's errors against float64.
 
     NATIVE_KERNELS=cuda NATIVE_KERNELS_JIT=1 GDN_CHUNK_KERNEL=fused \\
         python3 worklogs/remote_scripts/gdn_chunk_probe.py --T 16384 --reps 20
@@ -33,6 +34,9 @@ def main() -> int:
     p.add_argument("--json", default="")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--err", action="store_true", help="errors against the float64 reference")
+    p.add_argument(
+        "--seqs", type=int, default=1, help="T split into this many equal sequences (varlen)"
+    )
     a = p.parse_args()
     dt = getattr(torch, a.dtype)
     dev = torch.device("cuda")
@@ -46,8 +50,8 @@ def main() -> int:
     q = torch.randn(1, T, H, K, device=dev, dtype=dt)
     k = torch.randn(1, T, H, K, device=dev, dtype=dt)
     v = torch.randn(1, T, HV, V, device=dev, dtype=dt)
-    h0 = torch.randn(1, HV, V, K, device=dev) * 0.05
-    cu = torch.tensor([0, T], device=dev, dtype=torch.long)
+    h0 = torch.randn(a.seqs, HV, V, K, device=dev) * 0.05
+    cu = torch.tensor([T * i // a.seqs for i in range(a.seqs + 1)], device=dev, dtype=torch.long)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         return kernels.chunk_gated_delta_rule(
@@ -59,8 +63,8 @@ def main() -> int:
     total = sum(rows.values())
     for n, t in sorted(rows.items(), key=lambda r: -r[1]):
         print(f"{t:9.1f} us  {n}")
-    print(f"{total:9.1f} us  total per call (T={T}, {a.dtype})")
-    out = {"T": T, "dtype": a.dtype, "us_per_call": rows, "total_us": total}
+    print(f"{total:9.1f} us  total per call (T={T}, {a.seqs} sequence(s), {a.dtype})")
+    out = {"T": T, "seqs": a.seqs, "dtype": a.dtype, "us_per_call": rows, "total_us": total}
     if a.err:
         o, fin = run()
         ro, rfin = gref.gated_delta_rule_reference_fast(
