@@ -38,8 +38,9 @@ constexpr int kResMaxK = 128;          // down's A tile stays in shared memory u
 // half-warp). Down reads it back inline rather than through frag_out8: that call, with the
 // same reads, made both GEMMs 3-4 % slower in bf16 on the H200 (the compiler schedules the
 // kernel differently; worklogs/results/review-refactors-h200-2026-12-04).
+constexpr int kScrWarpStage = 2 * 256;  // floats a warp in a stage: the gate and up tiles
 static_assert(kTM == 128 && kTN * kTK / 8 % (kWarps * 32) == 0, "tile shape");
-static_assert(kWarps * 512 * sizeof(float) <= (kTM + kTN) * kLdS * sizeof(uint16_t),
+static_assert(kWarps * kScrWarpStage * sizeof(float) <= (kTM + kTN) * kLdS * sizeof(uint16_t),
               "the epilogue's scratch fits in one stage of A and B");
 
 // A stage holds kTK columns of the tile's A rows (unless A is resident) and of its B rows.
@@ -256,7 +257,8 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
         emit(cb0 + c, scratch + warp * kScrWarp);
       } else {
         __syncthreads();  // every warp is past the last stage: it becomes the scratch
-        emit(cb0 + c, reinterpret_cast<float*>(stage + ((t - 1) & 1) * kStageElems) + warp * 512);
+        emit(cb0 + c,
+             reinterpret_cast<float*>(stage + ((t - 1) & 1) * kStageElems) + warp * kScrWarpStage);
       }
       if (c + 1 < ncb) put(t & 1);
       __syncthreads();
