@@ -5,14 +5,12 @@ A kernel's register count decides how many of its blocks an SM holds, and a spil
 register traffic into local-memory traffic; both are what most of our kernel changes trade
 against (worklogs/LEDGER.md). They come from the compiler, not the device, so this tool gets
 them on a CPU machine: it fetches NVIDIA's CUDA compiler from PyPI (nvcc, cicc, ptxas and the
-runtime headers as wheels; pinned below), compiles each source of one or more trees the way
-``kernels.jit_build`` does (torch's nvcc flags, ``-O3``) with ``--resource-usage`` for each
-``--arch``, and reports one row per kernel instantiation.
+runtime headers as wheels, pinned in ``scripts/cuda_toolchain.py``), compiles each source of
+one or more trees the way ``kernels.jit_build`` does (torch's nvcc flags, ``-O3``) with
+``--resource-usage`` for each ``--arch``, and reports one row per kernel instantiation.
 
 What it is not: a timing, and not the target card's compiler (Iluvatar's CoreX allocates for
-64-lane warps). Host-only libraries torch's CUDA headers name (cuBLAS, cuSPARSE, cuSOLVER) are
-not fetched: small stub headers declare the handle and status types those headers use, which
-the device code never touches.
+64-lane warps; ``scripts/clang_kernels_check.py`` compiles with a clang front end instead).
 
 Usage (CPU machine, the dev venv; the first run downloads ~200 MB into build/cuda-toolchain)::
 
@@ -31,33 +29,15 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 import tempfile
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# CUDA 13.0: the H200 machine's torch 2.11 is built against CUDA 13.0 (LEDGER, device recipe).
-TOOLCHAIN = {
-    "nvidia-cuda-nvcc": "13.0.88",
-    "nvidia-nvvm": "13.0.88",
-    "nvidia-cuda-crt": "13.0.88",
-    "nvidia-cuda-runtime": "13.0.96",
-    "nvidia-cuda-cccl": "13.0.85",
-}
-CSRC = Path("vllm_overrides/native/csrc")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts import cuda_toolchain  # noqa: E402
 
-# Declarations torch's CUDA headers need from host libraries this tool does not fetch.
-STUBS = {
-    "cublas_v2.h": "typedef struct cublasContext* cublasHandle_t;\ntypedef int cublasStatus_t;\n",
-    "cublasLt.h": "#include <cublas_v2.h>\ntypedef struct cublasLtContext* cublasLtHandle_t;\n",
-    "cusparse.h": "typedef struct cusparseContext* cusparseHandle_t;\n"
-    "typedef int cusparseStatus_t;\n",
-    "cusolverDn.h": "typedef struct cusolverDnContext* cusolverDnHandle_t;\n",
-    "cusolver_common.h": "typedef int cusolverStatus_t;\n",
-    "c10/cuda/impl/cuda_cmake_macros.h": "",
-}
+CSRC = Path("vllm_overrides/native/csrc")
 
 
 @dataclass
@@ -73,41 +53,10 @@ class KernelUsage:
     barriers: int
 
 
-def fetch_toolchain(root: Path) -> Path:
-    """Download and unpack the pinned wheels once; return the CUDA home (bin/nvcc inside)."""
-    home = root / "root" / "nvidia" / "cu13"
-    if (home / "bin" / "nvcc").exists():
-        return home
-    wheels = root / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-         "-d", str(wheels), *(f"{k}=={v}" for k, v in TOOLCHAIN.items())],
-        check=True,
-    )  # fmt: skip
-    for whl in sorted(wheels.glob("*.whl")):
-        with zipfile.ZipFile(whl) as z:
-            z.extractall(root / "root")
-    for d in (home / "bin", home / "nvvm" / "bin"):
-        for f in d.iterdir():
-            if f.is_file():
-                f.chmod(0o755)  # zip extraction drops the executable bit
-    return home
-
-
-def write_stubs(root: Path) -> Path:
-    inc = root / "stubinc"
-    for name, body in STUBS.items():
-        p = inc / name
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text("#pragma once\n" + body)
-    return inc
-
-
 def nvcc_command(home: Path, stubs: Path, source: Path, arch: str, obj: Path) -> list[str]:
-    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
-    incs = [str(stubs), *include_paths(), sysconfig.get_paths()["include"]]
+    incs = [str(stubs), *cuda_toolchain.torch_includes()]
     return [
         str(home / "bin" / "nvcc"), "-std=c++17", "-O3", f"-arch={arch}", "--resource-usage",
         "-c", str(source), "-o", str(obj), "-DTORCH_EXTENSION_NAME=vo_resources",
@@ -139,8 +88,8 @@ def parse_ptxas(text: str) -> list[dict]:
 
 
 def short_name(demangled: str) -> str:
-    """Drop the anonymous namespace and the parameter list; keep the kernel and its template."""
-    name = re.sub(r"\(anonymous namespace\)::", "", demangled)
+    """Drop the parameter list; keep the kernel and its template arguments."""
+    name = demangled
     depth = 0
     for i, ch in enumerate(name):  # cut at the parameter list: the first '(' outside <...>
         depth += ch == "<"
@@ -152,8 +101,7 @@ def short_name(demangled: str) -> str:
 
 
 def demangle(names: list[str]) -> list[str]:
-    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
-    return [short_name(n) for n in out.stdout.splitlines()]
+    return [short_name(n) for n in cuda_toolchain.demangle(names)]
 
 
 def compile_one(home: Path, stubs: Path, tree: Path, source: Path, arch: str) -> list[KernelUsage]:
@@ -208,8 +156,8 @@ def main() -> None:
     from tqdm import tqdm
 
     trees = [t.resolve() for t in (args.tree or [Path(".")])]
-    home = fetch_toolchain(args.toolchain.resolve())
-    stubs = write_stubs(args.toolchain.resolve())
+    home = cuda_toolchain.fetch(cuda_toolchain.NVCC_13, args.toolchain.resolve()) / "nvidia/cu13"
+    stubs = cuda_toolchain.write_stubs(args.toolchain.resolve())
     jobs = []
     for tree in trees:
         names = args.sources or sorted(p.name for p in (tree / CSRC).glob("*.cu"))
@@ -223,7 +171,7 @@ def main() -> None:
                             text=True).stdout.strip()  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "commit": commit, "toolchain": TOOLCHAIN, "arch": args.arch,
+        "commit": commit, "toolchain": cuda_toolchain.NVCC_13, "arch": args.arch,
         "trees": [str(t) for t in trees], "kernels": [asdict(r) for r in rows],
     }, indent=1))  # fmt: skip
     print(table(rows, [str(t) for t in trees]))

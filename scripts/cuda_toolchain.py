@@ -1,0 +1,114 @@
+"""NVIDIA's CUDA compiler pieces from PyPI wheels, for kernel checks on a machine without CUDA.
+
+Two users: ``worklogs/kernel_resources.py`` (nvcc 13.0: registers and spills, as the H200's
+JIT build compiles) and ``scripts/clang_kernels_check.py`` (clang's own CUDA front end, the
+kind of compiler the target's CoreX toolchain is, with CUDA 12.5 headers and libdevice).
+Wheels are fetched once into a cache folder and unpacked there; nothing is installed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+# CUDA 13.0: the H200 machine's torch 2.11 is built against CUDA 13.0 (LEDGER, device recipe).
+NVCC_13 = {
+    "nvidia-cuda-nvcc": "13.0.88",
+    "nvidia-nvvm": "13.0.88",
+    "nvidia-cuda-crt": "13.0.88",
+    "nvidia-cuda-runtime": "13.0.96",
+    "nvidia-cuda-cccl": "13.0.85",
+}
+# CUDA 12.5: the newest CUDA clang 19 (Debian 12's clang-19) supports; it still targets sm_70,
+# the compute capability the target card reports (PLATFORM.md). Headers, libdevice, ptxas.
+HEADERS_12 = {
+    "nvidia-cuda-nvcc-cu12": "12.5.82",
+    "nvidia-cuda-runtime-cu12": "12.5.82",
+    "nvidia-cuda-cccl-cu12": "12.5.39.post1",
+}
+
+# Declarations torch's CUDA headers (and clang's CUDA wrapper) need from libraries these
+# wheels do not carry (cuBLAS, cuSPARSE, cuSOLVER, cuRAND); device code never touches them.
+STUBS = {
+    "cublas_v2.h": "typedef struct cublasContext* cublasHandle_t;\ntypedef int cublasStatus_t;\n",
+    "cublasLt.h": "#include <cublas_v2.h>\ntypedef struct cublasLtContext* cublasLtHandle_t;\n",
+    "cusparse.h": "typedef struct cusparseContext* cusparseHandle_t;\n"
+    "typedef int cusparseStatus_t;\n",
+    "cusolverDn.h": "typedef struct cusolverDnContext* cusolverDnHandle_t;\n",
+    "cusolver_common.h": "typedef int cusolverStatus_t;\n",
+    "curand_mtgp32_kernel.h": "",
+    "c10/cuda/impl/cuda_cmake_macros.h": "",
+}
+
+
+def fetch(pins: dict[str, str], root: Path) -> Path:
+    """Download and unpack ``pins`` into ``root`` once; return the folder holding ``nvidia/``."""
+    unpacked = root / "root"
+    marker = root / ".unpacked"
+    want = " ".join(f"{k}=={v}" for k, v in sorted(pins.items()))
+    if marker.exists() and marker.read_text() == want:
+        return unpacked
+    wheels = root / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+         "-d", str(wheels), *(f"{k}=={v}" for k, v in pins.items())],
+        check=True,
+    )  # fmt: skip
+    for whl in sorted(wheels.glob("*.whl")):
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(unpacked)
+    for f in unpacked.glob("nvidia/**/bin/*"):
+        if f.is_file():
+            f.chmod(0o755)  # zip extraction drops the executable bit
+    marker.write_text(want)
+    return unpacked
+
+
+def write_stubs(root: Path) -> Path:
+    inc = root / "stubinc"
+    for name, body in STUBS.items():
+        p = inc / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("#pragma once\n" + body)
+    return inc
+
+
+def clang_cuda_home(root: Path) -> Path:
+    """The CUDA 12 wheels laid out as clang's ``--cuda-path`` expects (include, libdevice)."""
+    src = fetch(HEADERS_12, root) / "nvidia"
+    home = root / "cuda-home"
+    if not (home / "include" / "cuda.h").exists():
+        inc = home / "include"
+        inc.mkdir(parents=True, exist_ok=True)
+        for part in ("cuda_runtime", "cuda_cccl", "cuda_nvcc"):
+            for f in (src / part / "include").rglob("*"):
+                dst = inc / f.relative_to(src / part / "include")
+                if f.is_file() and not dst.exists():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    dst.write_bytes(f.read_bytes())
+        (home / "nvvm").mkdir(parents=True, exist_ok=True)
+        lib = home / "nvvm" / "libdevice"
+        if not lib.exists():
+            lib.symlink_to(src / "cuda_nvcc" / "nvvm" / "libdevice")
+        (home / "bin").mkdir(exist_ok=True)
+        ptxas = home / "bin" / "ptxas"
+        if not ptxas.exists():
+            ptxas.symlink_to(src / "cuda_nvcc" / "bin" / "ptxas")
+    return home
+
+
+def demangle(names: list[str]) -> list[str]:
+    """C++ names through binutils' c++filt, the anonymous namespace our kernels sit in dropped."""
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
+    return [n.replace("(anonymous namespace)::", "") for n in out.stdout.splitlines()]
+
+
+def torch_includes() -> list[str]:
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    return [*include_paths(), sysconfig.get_paths()["include"]]

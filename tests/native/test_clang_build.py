@@ -1,0 +1,81 @@
+"""The kernels' sources through clang's CUDA front end at compute capability 7.0, what the target
+card reports and the kind of compiler its CoreX toolchain is (scripts/clang_kernels_check.py).
+
+Device PTX valid for sm_70 (ptxas accepts it), the host side compiled, tensor cores in every
+fp16 wmma kernel, and the bf16 ones trapped (no bf16 fragments before sm_80). Needs clang++ >=
+19 (Debian 12: ``apt-get install clang-19``); CI installs it and sets ``VO_REQUIRE_CLANG=1``,
+which turns a missing clang into a failure instead of a skip."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from scripts import clang_kernels_check as cc
+
+CSRC = Path(cc.CSRC)
+
+PTX = """\
+.visible .entry _Z1av(
+)
+{
+\twmma.mma.sync.aligned.row.col.m16n16k16.f32.f16 {%f1}, {%r1}, {%r2}, {%f1};
+\twmma.mma.sync.aligned.row.col.m16n16k16.f32.f16 {%f1}, {%r1}, {%r2}, {%f1};
+\tret;
+}
+.entry _ZN12_GLOBAL__N_11bEv(
+)
+{
+\ttrap;
+\tret;
+}
+"""
+
+
+def test_ptx_kernels_counts_per_entry() -> None:
+    assert cc.ptx_kernels(PTX) == {
+        "_Z1av": {"wmma": 2, "trap": 0},
+        "_ZN12_GLOBAL__N_11bEv": {"wmma": 0, "trap": 1},
+    }
+
+
+def test_which_kernels_must_have_tensor_cores() -> None:
+    assert cc.tensor_core_kind("void moe_grouped_gemm_kernel<c10::Half, true>(x)") == "half"
+    assert cc.tensor_core_kind("void gdn_chunk_state_mma_kernel<c10::BFloat16, 128>(x)") == "bf16"
+    assert cc.tensor_core_kind("void gdn_conv_kernel<c10::Half>(x)") is None
+    assert cc.mma_expected("half", "sm_70") and not cc.mma_expected("bf16", "sm_70")
+    assert cc.mma_expected("bf16", "sm_80") and cc.mma_expected("bf16", "sm_90")
+
+
+@pytest.fixture(scope="module")
+def sm70() -> list[dict]:
+    if cc.find_clang() is None:
+        if os.environ.get("VO_REQUIRE_CLANG") == "1":
+            pytest.fail("VO_REQUIRE_CLANG=1 but no clang++ >= 19 (apt-get install clang-19)")
+        pytest.skip("needs clang++ >= 19 (apt-get install clang-19); CI installs it")
+    cache = Path(__file__).resolve().parents[2] / "build" / "cuda12-clang"
+    return cc.run(["sm_70"], sorted(CSRC.glob("*.cu")), cache, jobs=os.cpu_count() or 1)
+
+
+def test_every_source_compiles_for_sm70(sm70: list[dict]) -> None:
+    assert {r["source"] for r in sm70} == {p.name for p in CSRC.glob("*.cu")}
+    for r in sm70:
+        assert r["device_ok"], r["device_log"]
+        assert r["ptxas_ok"], r["ptxas_log"]
+        assert r["host_ok"], r["host_log"]
+        assert r["kernels"], r["source"]
+
+
+def test_tensor_cores_where_sm70_has_them(sm70: list[dict]) -> None:
+    kinds: dict[str, list[dict]] = {"half": [], "bf16": []}
+    for r in sm70:
+        assert not r["mma_mismatch"], r["mma_mismatch"]
+        for name, c in r["kernels"].items():
+            if (kind := cc.tensor_core_kind(name)) is not None:
+                kinds[kind].append(c)
+    # The GDN chunk (prep, state, output) and MoE grouped GEMM kernels, both types.
+    assert len(kinds["half"]) >= 10 and len(kinds["bf16"]) == len(kinds["half"])
+    assert all(c["wmma"] > 0 and c["trap"] == 0 for c in kinds["half"])
+    assert all(c["wmma"] == 0 and c["trap"] > 0 for c in kinds["bf16"])
