@@ -4,10 +4,10 @@
 The target card's wheel is built by Iluvatar's CoreX toolchain, a clang (``--cuda-gpu-arch=
 ivcore10``; the card reports compute capability 7.0, PLATFORM.md); our kernels are developed
 with nvcc. This builds every ``.cu`` with upstream clang (Debian 12's ``clang-19``) and the
-CUDA 12.5 headers and libdevice from PyPI (``scripts/cuda_toolchain.py``), three ways:
+CUDA 12.5 headers and libdevice from PyPI (``scripts/cuda_toolchain.py``), in two halves:
 
 * the device side for ``--arch`` (default ``sm_70``) to PTX, then ptxas 12.5 on that PTX
-  (the PTX is valid for the architecture; registers and spills reported);
+  (the PTX is valid for the architecture; registers reported);
 * the host side (``--cuda-host-only -c``): torch's headers and our wrappers through clang.
 
 It also reads each kernel's PTX: the tensor-core kernels must contain ``wmma.mma`` and no
@@ -43,14 +43,16 @@ from scripts import cuda_toolchain  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "vllm_overrides" / "native" / "csrc"
 CLANGS = ("clang++-19", "clang++")
-# torch's nvcc flags, as jit_build and setup.py compile with them.
-DEFINES = [
-    "-D__CUDA_NO_HALF_OPERATORS__",
-    "-D__CUDA_NO_HALF_CONVERSIONS__",
-    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "-D__CUDA_NO_HALF2_OPERATORS__",
-    "-DTORCH_EXTENSION_NAME=vo_clang_check",
-]
+
+
+def defines() -> list[str]:
+    """The macros of torch's nvcc flags, as jit_build and setup.py compile with them (the rest,
+    ``--expt-relaxed-constexpr``, is nvcc's own: clang allows constexpr calls on the device)."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    return [f for f in COMMON_NVCC_FLAGS if f.startswith("-D")] + [
+        "-DTORCH_EXTENSION_NAME=vo_clang_check"
+    ]
 
 
 def find_clang() -> str | None:
@@ -101,7 +103,7 @@ def check_source(clang: str, home: Path, stubs: Path, src: Path, arch: str) -> d
     base = [
         clang, "-x", "cuda", f"--cuda-path={home}", f"--cuda-gpu-arch={arch}",
         "-Wno-unknown-cuda-version", "-Wno-c++20-extensions", "-std=c++17", "-O3", "-fPIC",
-        *DEFINES, f"-I{stubs}", *(f"-I{i}" for i in cuda_toolchain.torch_includes()),
+        *defines(), f"-I{stubs}", *(f"-I{i}" for i in cuda_toolchain.torch_includes()),
     ]  # fmt: skip
     res: dict = {"source": src.name, "arch": arch}
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,11 +143,13 @@ def run(archs: list[str], sources: list[Path], cache: Path, jobs: int) -> list[d
         raise SystemExit("clang_kernels_check: needs clang++ >= 19 (apt-get install clang-19)")
     home = cuda_toolchain.clang_cuda_home(cache)
     stubs = cuda_toolchain.write_stubs(cache)
+    from tqdm import tqdm
+
     with ThreadPoolExecutor(jobs) as pool:
         futures = [
             pool.submit(check_source, clang, home, stubs, s, a) for s in sources for a in archs
         ]
-        return [f.result() for f in futures]
+        return [f.result() for f in tqdm(futures, desc="clang", unit="file")]
 
 
 def main() -> None:
