@@ -116,10 +116,7 @@ def check_source(clang: str, home: Path, stubs: Path, src: Path, arch: str) -> d
             ok, log = _run([str(home / "bin" / "ptxas"), f"-arch={arch}", "-v", "-o",
                             str(Path(tmp) / "k.cubin"), str(ptx)])  # fmt: skip
             res["ptxas_ok"], res["ptxas_log"] = ok, log[-3000:]
-            usage = {
-                m.group(1): int(m.group(2))
-                for m in re.finditer(r"entry function '(\S+)'[\s\S]*?Used (\d+) registers", log)
-            }
+            usage = {r["mangled"]: r["registers"] for r in cuda_toolchain.parse_ptxas(log)}
             counts = ptx_kernels(text)
             names = cuda_toolchain.demangle(list(counts))
             for (mangled, c), name in zip(counts.items(), names, strict=True):

@@ -8,6 +8,7 @@ Wheels are fetched once into a cache folder and unpacked there; nothing is insta
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import zipfile
@@ -104,6 +105,29 @@ def demangle(names: list[str]) -> list[str]:
     """C++ names through binutils' c++filt, the anonymous namespace our kernels sit in dropped."""
     out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
     return [n.replace("(anonymous namespace)::", "") for n in out.stdout.splitlines()]
+
+
+_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(\w+)'")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?")
+
+
+def parse_ptxas(text: str) -> list[dict]:
+    """ptxas ``-v`` (nvcc ``--resource-usage``) output -> one dict per entry (mangled name)."""
+    rows: list[dict] = []
+    cur: dict | None = None
+    for line in text.splitlines():
+        if m := _ENTRY.search(line):
+            cur = {"mangled": m.group(1), "arch": m.group(2), "stack": 0,
+                   "spill_stores": 0, "spill_loads": 0}  # fmt: skip
+        elif cur is not None and (m := _SPILL.search(line)):
+            cur["stack"], cur["spill_stores"], cur["spill_loads"] = map(int, m.groups())
+        elif cur is not None and (m := _USED.search(line)):
+            cur["registers"] = int(m.group(1))
+            cur["barriers"] = int(m.group(2) or 0)
+            rows.append(cur)
+            cur = None
+    return rows
 
 
 def torch_includes() -> list[str]:

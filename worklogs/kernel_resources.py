@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -64,29 +63,6 @@ def nvcc_command(home: Path, stubs: Path, source: Path, arch: str, obj: Path) ->
     ]  # fmt: skip
 
 
-_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(\w+)'")
-_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?")
-
-
-def parse_ptxas(text: str) -> list[dict]:
-    """ptxas ``--resource-usage`` output -> one dict per compiled entry (mangled name)."""
-    rows: list[dict] = []
-    cur: dict | None = None
-    for line in text.splitlines():
-        if m := _ENTRY.search(line):
-            cur = {"mangled": m.group(1), "arch": m.group(2), "stack": 0,
-                   "spill_stores": 0, "spill_loads": 0}  # fmt: skip
-        elif cur is not None and (m := _SPILL.search(line)):
-            cur["stack"], cur["spill_stores"], cur["spill_loads"] = map(int, m.groups())
-        elif cur is not None and (m := _USED.search(line)):
-            cur["registers"] = int(m.group(1))
-            cur["barriers"] = int(m.group(2) or 0)
-            rows.append(cur)
-            cur = None
-    return rows
-
-
 def short_name(demangled: str) -> str:
     """Drop the parameter list; keep the kernel and its template arguments."""
     name = demangled
@@ -110,7 +86,7 @@ def compile_one(home: Path, stubs: Path, tree: Path, source: Path, arch: str) ->
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed on {tree}/{source} ({arch}):\n{proc.stderr[-4000:]}")
-    rows = parse_ptxas(proc.stdout + proc.stderr)
+    rows = cuda_toolchain.parse_ptxas(proc.stdout + proc.stderr)
     names = demangle([r["mangled"] for r in rows])
     return [
         KernelUsage(tree=str(tree), source=source.name, arch=r["arch"], kernel=n,
@@ -152,7 +128,7 @@ def main() -> None:
     ap.add_argument("--toolchain", type=Path, default=Path("build/cuda-toolchain"))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", type=Path, default=Path("build/kernel-resources.json"))
-    args = ap.parse_args()  # fmt: skip
+    args = ap.parse_args()
     from tqdm import tqdm
 
     trees = [t.resolve() for t in (args.tree or [Path(".")])]

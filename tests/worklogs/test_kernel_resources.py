@@ -1,5 +1,5 @@
-"""worklogs/kernel_resources.py: ptxas's resource report read into rows, kernel names shortened,
-trees side by side. (The compile itself needs the ~200 MB CUDA wheels: `make kernel-resources`.)"""
+"""worklogs/kernel_resources.py: ptxas's resource report read into rows
+(scripts/cuda_toolchain.py), kernel names shortened, trees side by side. (The compile itself needs the ~200 MB CUDA wheels: `make kernel-resources`.)"""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "worklogs"))
 import kernel_resources as kr  # noqa: E402
+
+from scripts import cuda_toolchain  # noqa: E402
 
 # ptxas 13.0 --resource-usage output, two entries (the second without a barrier clause).
 PTXAS = """\
@@ -28,9 +30,9 @@ ptxas info    : Used 12 registers
 
 
 def test_parse_ptxas_reads_every_entry() -> None:
-    rows = kr.parse_ptxas(PTXAS)
+    rows = cuda_toolchain.parse_ptxas(PTXAS)
     assert [r["mangled"] for r in rows] == ["_ZN12_GLOBAL__N_13fooILb1EEEvPKfi", "_Z3barPf"]
-    assert rows[0] | {} == {
+    assert rows[0] == {
         "mangled": "_ZN12_GLOBAL__N_13fooILb1EEEvPKfi", "arch": "sm_90", "stack": 24,
         "spill_stores": 44, "spill_loads": 20, "registers": 255, "barriers": 1,
     }  # fmt: skip

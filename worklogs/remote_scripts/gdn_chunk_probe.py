@@ -38,6 +38,8 @@ def main() -> int:
         "--seqs", type=int, default=1, help="T split into this many equal sequences (varlen)"
     )
     a = p.parse_args()
+    if not 1 <= a.seqs <= a.T:
+        p.error("--seqs must be between 1 and --T")
     dt = getattr(torch, a.dtype)
     dev = torch.device("cuda")
     torch.manual_seed(0)
