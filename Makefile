@@ -85,8 +85,9 @@ cache-sim: setup
 	$(PY) worklogs/generate_official_like_dataset.py --preset replay881 --seed 0 --out build/replay/replay881.jsonl
 	$(PY) worklogs/cache_sim.py --dataset build/replay/replay881.jsonl --out worklogs/results/cache-sim-replay881.json $(SIM_ARGS)
 
-# Registers, spills and stack of every CUDA kernel, from NVIDIA's compiler fetched off PyPI (no
-# GPU needed; worklogs/kernel_resources.py). KR_ARGS="--tree build/base --tree ." compares trees.
-KR_ARGS ?= --arch sm_90
+# Registers, spills and stack of every CUDA kernel, and the instruction mix of each tensor-core
+# kernel's hot loop, from NVIDIA's compiler and disassembler fetched off PyPI (no GPU needed;
+# worklogs/kernel_resources.py). KR_ARGS="--tree build/base --tree . --sass" compares trees.
+KR_ARGS ?= --arch sm_90 --sass
 kernel-resources: $(VENV)/.installed
 	$(PY) worklogs/kernel_resources.py $(KR_ARGS)

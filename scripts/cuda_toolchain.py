@@ -22,6 +22,8 @@ NVCC_13 = {
     "nvidia-cuda-runtime": "13.0.96",
     "nvidia-cuda-cccl": "13.0.85",
 }
+# nvdisasm (SASS from a cubin) has no 13.0 wheel on PyPI; 13.2's reads sm_90 cubins of 13.0.
+NVDISASM = {"nvidia-cuda-nvdisasm": "13.2.51"}
 # CUDA 12.5: the newest CUDA clang 19 (Debian 12's clang-19) supports; it still targets sm_70,
 # the compute capability the target card reports (PLATFORM.md). Headers, libdevice, ptxas.
 HEADERS_12 = {
@@ -136,3 +138,80 @@ def torch_includes() -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
     return [*include_paths(), sysconfig.get_paths()["include"]]
+
+
+# What a SASS opcode is, for counting: tensor-core MMA, shared / global / generic / local memory.
+SASS_CLASSES = {
+    "mma": ("HMMA", "IMMA", "HGMMA"),
+    "ld_shared": ("LDS", "LDSM"),
+    "st_shared": ("STS",),
+    "ld_global": ("LDG",),
+    "ld_generic": ("LD",),  # a load nvcc could not place in a state space (bf16 wmma, LEDGER)
+    "st_global": ("STG", "ST"),
+    "movm": ("MOVM",),  # the transposing move generic wmma loads need
+    "local": ("LDL", "STL"),
+    "barrier": ("BAR",),
+}
+_INSN = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+_FUNC = re.compile(r"^\.text\.(\S+):$")
+_LABEL = re.compile(r"^(\.L_x_\d+):$")
+
+
+def sass_class_counts(opcodes: list[str]) -> dict[str, int]:
+    counts = {"instructions": len(opcodes)} | {c: 0 for c in SASS_CLASSES}
+    for op in opcodes:
+        base = op.split(".")[0]
+        for cls, bases in SASS_CLASSES.items():
+            if base in bases:
+                counts[cls] += 1
+    return counts
+
+
+def parse_sass(text: str) -> dict[str, dict]:
+    """nvdisasm output -> per function (mangled name): class counts of the whole function and
+    of its hot loop.
+
+    The hot loop is the smallest loop (a backward branch's range) holding the most MMA
+    instructions: in a GEMM the k-loop, in the GDN state pass the chunk loop. Its counts are
+    what one iteration executes, where whole-function counts weigh prologue and epilogue code
+    as much as the loop. None for a kernel without MMAs in a loop. Static counts, not a
+    profile: no trip counts (an inner loop counts once), no stalls.
+    """
+    funcs: dict[str, list[tuple[int, str, str | None]]] = {}
+    labels: dict[str, dict[str, int]] = {}
+    cur: str | None = None
+    pending: list[str] = []
+    for line in text.splitlines():
+        if m := _FUNC.match(line):
+            cur = m.group(1)
+            funcs[cur], labels[cur], pending = [], {}, []
+        elif cur is None:
+            continue
+        elif m := _LABEL.match(line):
+            pending.append(m.group(1))
+        elif m := _INSN.match(line):
+            addr = int(m.group(1), 16)
+            for lab in pending:
+                labels[cur][lab] = addr
+            pending = []
+            t = _TARGET.search(m.group(3)) if m.group(2).startswith("BRA") else None
+            funcs[cur].append((addr, m.group(2), t.group(1) if t else None))
+    out: dict[str, dict] = {}
+    for name, insns in funcs.items():
+        loops: dict[int, int] = {}  # loop head address -> last backward branch's address
+        for addr, _, target in insns:
+            head = labels[name].get(target, addr + 1) if target else addr + 1
+            if head <= addr:
+                loops[head] = max(loops.get(head, addr), addr)
+        spans = [
+            sass_class_counts([op for addr, op, _ in insns if head <= addr <= end])
+            for head, end in loops.items()
+        ]
+        best = max(
+            (c for c in spans if c["mma"]),
+            key=lambda c: (c["mma"], -c["instructions"]),  # most MMAs, then the smallest
+            default=None,
+        )
+        out[name] = {"function": sass_class_counts([op for _, op, _ in insns]), "hot_loop": best}
+    return out

@@ -8,6 +8,9 @@ them on a CPU machine: it fetches NVIDIA's CUDA compiler from PyPI (nvcc, cicc, 
 runtime headers as wheels, pinned in ``scripts/cuda_toolchain.py``), compiles each source of
 one or more trees the way ``kernels.jit_build`` does (torch's nvcc flags, ``-O3``) with
 ``--resource-usage`` for each ``--arch``, and reports one row per kernel instantiation.
+With ``--sass`` it also disassembles each kernel (nvdisasm, also a PyPI wheel) and counts the
+instructions of its hot loop by kind: tensor-core MMAs against the shared, global and generic
+loads that feed them, the moves and barriers around them (``cuda_toolchain.parse_sass``).
 
 What it is not: a timing, and not the target card's compiler (Iluvatar's CoreX allocates for
 64-lane warps; ``scripts/clang_kernels_check.py`` compiles with a clang front end instead).
@@ -16,7 +19,7 @@ Usage (CPU machine, the dev venv; the first run downloads ~200 MB into build/cud
 
     make kernel-resources                                     # this tree, sm_90
     python worklogs/kernel_resources.py --tree build/base --tree . --arch sm_90 \\
-        --sources moe_grouped_gemm.cu --out build/kernel-resources.json
+        --sources moe_grouped_gemm.cu --sass --out build/kernel-resources.json
 
 With two trees the table puts them side by side (registers, spill stores / loads, bytes).
 """
@@ -50,15 +53,20 @@ class KernelUsage:
     spill_loads: int
     stack: int  # bytes of stack frame
     barriers: int
+    sass: dict | None = None  # cuda_toolchain.parse_sass's entry, with --sass
 
 
-def nvcc_command(home: Path, stubs: Path, source: Path, arch: str, obj: Path) -> list[str]:
+def nvcc_command(
+    home: Path, stubs: Path, source: Path, arch: str, obj: Path, cubin: bool = False
+) -> list[str]:
+    """``cubin``: device code only (what nvdisasm reads) instead of a host object."""
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
     incs = [str(stubs), *cuda_toolchain.torch_includes()]
     return [
         str(home / "bin" / "nvcc"), "-std=c++17", "-O3", f"-arch={arch}", "--resource-usage",
-        "-c", str(source), "-o", str(obj), "-DTORCH_EXTENSION_NAME=vo_resources",
+        "-cubin" if cubin else "-c", str(source), "-o", str(obj),
+        "-DTORCH_EXTENSION_NAME=vo_resources",
         *COMMON_NVCC_FLAGS, *(f"-I{i}" for i in incs), "-diag-suppress", "3306",
     ]  # fmt: skip
 
@@ -80,10 +88,18 @@ def demangle(names: list[str]) -> list[str]:
     return [short_name(n) for n in cuda_toolchain.demangle(names)]
 
 
-def compile_one(home: Path, stubs: Path, tree: Path, source: Path, arch: str) -> list[KernelUsage]:
+def compile_one(
+    home: Path, stubs: Path, tree: Path, source: Path, arch: str, nvdisasm: Path | None = None
+) -> list[KernelUsage]:
+    sass: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = nvcc_command(home, stubs, source, arch, Path(tmp) / "k.o")
+        obj = Path(tmp) / "k.o"
+        cmd = nvcc_command(home, stubs, source, arch, obj, cubin=nvdisasm is not None)
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
+        if proc.returncode == 0 and nvdisasm is not None:
+            dis = subprocess.run([str(nvdisasm), "-c", str(obj)], capture_output=True, text=True,
+                                 check=True)  # fmt: skip
+            sass = cuda_toolchain.parse_sass(dis.stdout)
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed on {tree}/{source} ({arch}):\n{proc.stderr[-4000:]}")
     rows = cuda_toolchain.parse_ptxas(proc.stdout + proc.stderr)
@@ -91,7 +107,8 @@ def compile_one(home: Path, stubs: Path, tree: Path, source: Path, arch: str) ->
     return [
         KernelUsage(tree=str(tree), source=source.name, arch=r["arch"], kernel=n,
                     registers=r["registers"], spill_stores=r["spill_stores"],
-                    spill_loads=r["spill_loads"], stack=r["stack"], barriers=r["barriers"])
+                    spill_loads=r["spill_loads"], stack=r["stack"], barriers=r["barriers"],
+                    sass=sass.get(r["mangled"]) if nvdisasm is not None else None)
         for r, n in zip(rows, names, strict=True)
     ]  # fmt: skip
 
@@ -115,6 +132,35 @@ def table(rows: list[KernelUsage], trees: list[str]) -> str:
     return "\n".join(lines)
 
 
+SASS_COLUMNS = ("instructions", "mma", "ld_shared", "ld_global", "ld_generic", "movm", "local")
+
+
+def sass_table(rows: list[KernelUsage], trees: list[str]) -> str:
+    """The hot loop's instruction counts (one iteration, static), a column group per tree."""
+    by_key: dict[tuple[str, str], dict[str, KernelUsage]] = {}
+    for r in rows:
+        by_key.setdefault((r.arch, r.kernel), {})[r.tree] = r
+    heads = ("instr", "mma", "ld.s", "ld.g", "ld", "movm", "local")
+    cell_w = sum(len(h) + 1 for h in heads)
+    lines = [
+        "hot loop, one iteration (static): arch kernel" + " " * 2 + "".join(
+            f" | {t[-cell_w:]:>{cell_w}s}" for t in trees),
+        " " * 47 + (" | " + " ".join(heads) + " ") * len(trees),
+    ]  # fmt: skip
+    for (arch, kernel), per in sorted(by_key.items()):
+        cells = []
+        for t in trees:
+            loop = (per[t].sass or {}).get("hot_loop") if t in per else None
+            if loop is None:
+                cells.append(" | " + "-".center(cell_w))
+            else:
+                cells.append(" | " + " ".join(
+                    f"{loop[c]:{len(h)}d}" for c, h in zip(SASS_COLUMNS, heads, strict=True)
+                ) + " ")  # fmt: skip
+        lines.append(f"{arch:6s} {kernel}\n{'':47s}" + "".join(cells))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -125,6 +171,8 @@ def main() -> None:
     )
     ap.add_argument("--arch", nargs="+", default=["sm_90"], help="nvcc -arch values")
     ap.add_argument("--sources", nargs="+", help="file names under csrc/ (default: every .cu)")
+    ap.add_argument("--sass", action="store_true",
+                    help="also count each kernel's hot-loop instructions (nvdisasm)")  # fmt: skip
     ap.add_argument("--toolchain", type=Path, default=Path("build/cuda-toolchain"))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", type=Path, default=Path("build/kernel-resources.json"))
@@ -134,23 +182,30 @@ def main() -> None:
     trees = [t.resolve() for t in (args.tree or [Path(".")])]
     home = cuda_toolchain.fetch(cuda_toolchain.NVCC_13, args.toolchain.resolve()) / "nvidia/cu13"
     stubs = cuda_toolchain.write_stubs(args.toolchain.resolve())
+    nvdisasm = None
+    if args.sass:
+        tools = cuda_toolchain.fetch(cuda_toolchain.NVDISASM, args.toolchain.resolve() / "nvdisasm")
+        nvdisasm = tools / "nvidia/cu13/bin/nvdisasm"
     jobs = []
     for tree in trees:
         names = args.sources or sorted(p.name for p in (tree / CSRC).glob("*.cu"))
         jobs += [(tree, CSRC / n, a) for n in names for a in args.arch]
     rows: list[KernelUsage] = []
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(compile_one, home, stubs, *j) for j in jobs]
+        futures = [pool.submit(compile_one, home, stubs, *j, nvdisasm) for j in jobs]
         for f in tqdm(futures, desc="nvcc", unit="file"):
             rows += f.result()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    pins = cuda_toolchain.NVCC_13 | (cuda_toolchain.NVDISASM if args.sass else {})
     args.out.write_text(json.dumps({
-        "commit": commit, "toolchain": cuda_toolchain.NVCC_13, "arch": args.arch,
+        "commit": commit, "toolchain": pins, "arch": args.arch,
         "trees": [str(t) for t in trees], "kernels": [asdict(r) for r in rows],
     }, indent=1))  # fmt: skip
     print(table(rows, [str(t) for t in trees]))
+    if args.sass:
+        print("\n" + sass_table(rows, [str(t) for t in trees]))
     print(f"\n{len(rows)} kernel instantiations -> {args.out}")
 
 

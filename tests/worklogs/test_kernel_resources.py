@@ -70,3 +70,86 @@ def test_table_puts_trees_side_by_side() -> None:
     assert lines[k + 1].split("|")[1:] == ["  128    32/32        8 ", "  242     0/0         8"]
     j = lines.index("sm_90  void only_new")
     assert "-" in lines[j + 1].split("|")[1] and "64" in lines[j + 1].split("|")[2]
+
+
+# nvdisasm -c output, cut down: a kernel with a loop of one MMA (.L_x_1), then an outer loop
+# (.L_x_0) around an inner one (.L_x_2) that holds both of its MMAs, a forward branch,
+# predicated instructions and a self-loop; and a kernel without a loop.
+SASS = """\
+\t.target\tsm_90
+//--------------------- .text._Z1kPf --------------------------
+\t.section\t.text._Z1kPf,"ax",@progbits
+.text._Z1kPf:
+        .type           _Z1kPf,@function
+_Z1kPf:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDS R3, [R2] ;
+        /*0020*/                   HMMA.16816.F32 R8, R12, R14, R8 ;
+        /*0030*/               @P0 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0040*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0050*/                   STS [R2], R3 ;
+        /*0060*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+.L_x_2:
+        /*0070*/                   LDSM.16.M88.4 R12, [R6] ;
+        /*0080*/                   LD.E R7, desc[UR4][R6.64] ;
+        /*0090*/                   MOVM.16.MT88 R7, R7 ;
+        /*00a0*/                   HMMA.16816.F32 R8, R12, R14, R8 ;
+        /*00b0*/              @!P1 HMMA.16816.F32 R8, R12, R16, R8 ;
+        /*00c0*/                   STL [R1], R7 ;
+        /*00d0*/              @!P2 BRA `(.L_x_3) ;
+        /*00e0*/                   LDL R7, [R1] ;
+.L_x_3:
+        /*00f0*/               @P1 BRA `(.L_x_2) ;
+        /*0100*/               @P3 BRA `(.L_x_0) ;
+        /*0110*/                   STG.E desc[UR4][R4.64], R8 ;
+        /*0120*/                   EXIT ;
+.L_x_4:
+        /*0130*/                   BRA `(.L_x_4);
+//--------------------- .text._Z1gv --------------------------
+.text._Z1gv:
+_Z1gv:
+        /*0000*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0010*/                   EXIT ;
+"""
+
+
+def test_parse_sass_counts_the_function_and_its_hot_loop() -> None:
+    out = cuda_toolchain.parse_sass(SASS)
+    assert set(out) == {"_Z1kPf", "_Z1gv"}
+    fn = out["_Z1kPf"]["function"]
+    assert fn["instructions"] == 20
+    assert (fn["mma"], fn["ld_shared"], fn["st_shared"], fn["ld_global"]) == (3, 2, 1, 1)
+    assert (fn["ld_generic"], fn["movm"], fn["local"], fn["barrier"], fn["st_global"]) == (
+        1, 1, 2, 1, 1,
+    )  # fmt: skip
+    # The hot loop is .L_x_2 (0x0070 .. its back edge at 0x00f0): two MMAs, as many as the
+    # outer .L_x_0 holds, in fewer instructions; .L_x_1 has one, .L_x_4 none.
+    loop = out["_Z1kPf"]["hot_loop"]
+    assert loop == {
+        "instructions": 9, "mma": 2, "ld_shared": 1, "st_shared": 0, "ld_global": 0,
+        "ld_generic": 1, "st_global": 0, "movm": 1, "local": 2, "barrier": 0,
+    }  # fmt: skip
+    # A kernel without a loop has no hot loop.
+    assert out["_Z1gv"]["hot_loop"] is None
+    assert out["_Z1gv"]["function"]["ld_global"] == 1
+
+
+def test_parse_sass_hot_loop_is_the_one_with_most_mmas() -> None:
+    # Without .L_x_2's back edge, the outer .L_x_0 is the loop with the most MMAs (two against
+    # .L_x_1's one), so it becomes the hot loop, its load and barrier included.
+    text = SASS.replace("@P1 BRA `(.L_x_2) ;", "@P1 NOP ;")
+    loop = cuda_toolchain.parse_sass(text)["_Z1kPf"]["hot_loop"]
+    assert (loop["instructions"], loop["mma"], loop["barrier"], loop["ld_global"]) == (13, 2, 1, 1)
+
+
+def test_sass_table_shows_each_trees_hot_loop() -> None:
+    sass = cuda_toolchain.parse_sass(SASS)
+    a = kr.KernelUsage("base", "a.cu", "sm_90", "void k", 64, 0, 0, 0, 1, sass["_Z1kPf"])
+    b = kr.KernelUsage("new", "a.cu", "sm_90", "void k", 64, 0, 0, 0, 1, sass["_Z1gv"])
+    lines = kr.sass_table([a, b], ["base", "new"]).splitlines()
+    k = lines.index("sm_90  void k")
+    base, new = lines[k + 1].split("|")[1:]
+    assert base.split() == ["9", "2", "1", "0", "1", "1", "2"]
+    assert new.strip() == "-"
