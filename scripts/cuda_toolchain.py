@@ -140,7 +140,8 @@ def torch_includes() -> list[str]:
     return [*include_paths(), sysconfig.get_paths()["include"]]
 
 
-# What a SASS opcode is, for counting: tensor-core MMA, shared / global / generic / local memory.
+# What a SASS opcode is, for counting: tensor-core MMA, shared / global / generic / local memory,
+# integer and float32 arithmetic.
 SASS_CLASSES = {
     "mma": ("HMMA", "IMMA", "HGMMA"),
     "ld_shared": ("LDS", "LDSM"),
@@ -151,6 +152,8 @@ SASS_CLASSES = {
     "movm": ("MOVM",),  # the transposing move generic wmma loads need
     "local": ("LDL", "STL"),
     "barrier": ("BAR",),
+    "int_alu": ("IMAD", "IADD3", "VIADD", "LEA", "SHF", "LOP3", "IABS"),  # mostly addresses
+    "fp32": ("FFMA", "FADD", "FMUL", "FMNMX", "MUFU"),
 }
 _INSN = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")

@@ -132,7 +132,9 @@ def table(rows: list[KernelUsage], trees: list[str]) -> str:
     return "\n".join(lines)
 
 
-SASS_COLUMNS = ("instructions", "mma", "ld_shared", "ld_global", "ld_generic", "movm", "local")
+SASS_COLUMNS = (
+    "instructions", "mma", "ld_shared", "ld_global", "ld_generic", "movm", "local", "int_alu",
+)  # fmt: skip
 
 
 def sass_table(rows: list[KernelUsage], trees: list[str]) -> str:
@@ -140,7 +142,7 @@ def sass_table(rows: list[KernelUsage], trees: list[str]) -> str:
     by_key: dict[tuple[str, str], dict[str, KernelUsage]] = {}
     for r in rows:
         by_key.setdefault((r.arch, r.kernel), {})[r.tree] = r
-    heads = ("instr", "mma", "ld.s", "ld.g", "ld", "movm", "local")
+    heads = ("instr", "mma", "ld.s", "ld.g", "ld", "movm", "local", "int")
     cell_w = sum(len(h) + 1 for h in heads)
     lines = [
         "hot loop, one iteration (static): arch kernel" + " " * 2 + "".join(

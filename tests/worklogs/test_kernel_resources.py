@@ -98,6 +98,7 @@ _Z1kPf:
         /*00a0*/                   HMMA.16816.F32 R8, R12, R14, R8 ;
         /*00b0*/              @!P1 HMMA.16816.F32 R8, R12, R16, R8 ;
         /*00c0*/                   STL [R1], R7 ;
+        /*00c8*/                   IMAD.WIDE.U32 R6, R7, 0x4, R6 ;
         /*00d0*/              @!P2 BRA `(.L_x_3) ;
         /*00e0*/                   LDL R7, [R1] ;
 .L_x_3:
@@ -119,17 +120,19 @@ def test_parse_sass_counts_the_function_and_its_hot_loop() -> None:
     out = cuda_toolchain.parse_sass(SASS)
     assert set(out) == {"_Z1kPf", "_Z1gv"}
     fn = out["_Z1kPf"]["function"]
-    assert fn["instructions"] == 20
+    assert fn["instructions"] == 21
     assert (fn["mma"], fn["ld_shared"], fn["st_shared"], fn["ld_global"]) == (3, 2, 1, 1)
     assert (fn["ld_generic"], fn["movm"], fn["local"], fn["barrier"], fn["st_global"]) == (
         1, 1, 2, 1, 1,
     )  # fmt: skip
+    assert (fn["int_alu"], fn["fp32"]) == (1, 0)
     # The hot loop is .L_x_2 (0x0070 .. its back edge at 0x00f0): two MMAs, as many as the
     # outer .L_x_0 holds, in fewer instructions; .L_x_1 has one, .L_x_4 none.
     loop = out["_Z1kPf"]["hot_loop"]
     assert loop == {
-        "instructions": 9, "mma": 2, "ld_shared": 1, "st_shared": 0, "ld_global": 0,
-        "ld_generic": 1, "st_global": 0, "movm": 1, "local": 2, "barrier": 0,
+        "instructions": 10, "mma": 2, "ld_shared": 1, "st_shared": 0, "ld_global": 0,
+        "ld_generic": 1, "st_global": 0, "movm": 1, "local": 2, "barrier": 0, "int_alu": 1,
+        "fp32": 0,
     }  # fmt: skip
     # A kernel without a loop has no hot loop.
     assert out["_Z1gv"]["hot_loop"] is None
@@ -141,7 +144,7 @@ def test_parse_sass_hot_loop_is_the_one_with_most_mmas() -> None:
     # .L_x_1's one), so it becomes the hot loop, its load and barrier included.
     text = SASS.replace("@P1 BRA `(.L_x_2) ;", "@P1 NOP ;")
     loop = cuda_toolchain.parse_sass(text)["_Z1kPf"]["hot_loop"]
-    assert (loop["instructions"], loop["mma"], loop["barrier"], loop["ld_global"]) == (13, 2, 1, 1)
+    assert (loop["instructions"], loop["mma"], loop["barrier"], loop["ld_global"]) == (14, 2, 1, 1)
 
 
 def test_sass_table_shows_each_trees_hot_loop() -> None:
@@ -151,5 +154,5 @@ def test_sass_table_shows_each_trees_hot_loop() -> None:
     lines = kr.sass_table([a, b], ["base", "new"]).splitlines()
     k = lines.index("sm_90  void k")
     base, new = lines[k + 1].split("|")[1:]
-    assert base.split() == ["9", "2", "1", "0", "1", "1", "2"]
+    assert base.split() == ["10", "2", "1", "0", "1", "1", "2", "1"]
     assert new.strip() == "-"
