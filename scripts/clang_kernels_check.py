@@ -7,7 +7,7 @@ with nvcc. This builds every ``.cu`` with upstream clang (Debian 12's ``clang-19
 CUDA 12.5 headers and libdevice from PyPI (``scripts/cuda_toolchain.py``), in two halves:
 
 * the device side for ``--arch`` (default ``sm_70``) to PTX, then ptxas 12.5 on that PTX
-  (the PTX is valid for the architecture; registers reported);
+  (the PTX is valid for the architecture; registers and spill bytes reported);
 * the host side (``--cuda-host-only -c``): torch's headers and our wrappers through clang.
 
 It also reads each kernel's PTX: the tensor-core kernels must contain ``wmma.mma`` and no
@@ -116,11 +116,15 @@ def check_source(clang: str, home: Path, stubs: Path, src: Path, arch: str) -> d
             ok, log = _run([str(home / "bin" / "ptxas"), f"-arch={arch}", "-v", "-o",
                             str(Path(tmp) / "k.cubin"), str(ptx)])  # fmt: skip
             res["ptxas_ok"], res["ptxas_log"] = ok, log[-3000:]
-            usage = {r["mangled"]: r["registers"] for r in cuda_toolchain.parse_ptxas(log)}
+            usage = {r["mangled"]: r for r in cuda_toolchain.parse_ptxas(log)}
             counts = ptx_kernels(text)
             names = cuda_toolchain.demangle(list(counts))
             for (mangled, c), name in zip(counts.items(), names, strict=True):
-                res["kernels"][name] = {**c, "registers": usage.get(mangled)}
+                u = usage.get(mangled, {})
+                res["kernels"][name] = {
+                    **c, "registers": u.get("registers"),
+                    "spill_stores": u.get("spill_stores"), "spill_loads": u.get("spill_loads"),
+                }  # fmt: skip
         else:
             res["ptxas_ok"], res["ptxas_log"] = False, "(no PTX)"
         ok, log = _run([*base, "--cuda-host-only", "-c", "-o", str(Path(tmp) / "h.o"), str(src)])
@@ -157,13 +161,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "clang-check.json")
     args = ap.parse_args()
     results = run(args.arch, sorted(CSRC.glob("*.cu")), args.cache.resolve(), args.jobs)
-    print(f"{'source':22s} {'arch':6s} device ptxas host  kernels  wmma-kernels  max-regs")
+    print(f"{'source':22s} {'arch':6s} device ptxas host  kernels  wmma  max-regs  spilling")
     for r in results:
         k = r["kernels"].values()
         regs = max((c["registers"] or 0 for c in k), default=0)
         mma = sum(c["wmma"] > 0 for c in k)
+        spill = sum((c["spill_stores"] or 0) > 0 for c in k)
         print(f"{r['source']:22s} {r['arch']:6s} {r['device_ok']!s:6s} {r['ptxas_ok']!s:5s} "
-              f"{r['host_ok']!s:5s} {len(k):7d}  {mma:12d}  {regs:8d}")  # fmt: skip
+              f"{r['host_ok']!s:5s} {len(k):7d}  {mma:4d}  {regs:8d}  {spill:8d}")  # fmt: skip
         for n in r["mma_mismatch"]:
             print(f"  tensor cores not as the architecture allows: {n}")
         for step in ("device", "ptxas", "host"):
