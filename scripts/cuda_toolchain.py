@@ -148,7 +148,7 @@ SASS_CLASSES = {
     "st_shared": ("STS",),
     "ld_global": ("LDG",),
     "ld_generic": ("LD",),  # a load nvcc could not place in a state space (bf16 wmma, LEDGER)
-    "st_global": ("STG", "ST"),
+    "st_global": ("STG", "ST"),  # generic stores with the global ones
     "movm": ("MOVM",),  # the transposing move generic wmma loads need
     "local": ("LDL", "STL"),
     "barrier": ("BAR",),

@@ -93,7 +93,7 @@ def compile_one(
 ) -> list[KernelUsage]:
     sass: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        obj = Path(tmp) / "k.o"
+        obj = Path(tmp) / ("k.cubin" if nvdisasm is not None else "k.o")
         cmd = nvcc_command(home, stubs, source, arch, obj, cubin=nvdisasm is not None)
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
         if proc.returncode == 0 and nvdisasm is not None:
