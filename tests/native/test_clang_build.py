@@ -3,9 +3,8 @@ card reports and the kind of compiler its CoreX toolchain is (scripts/clang_kern
 
 Device PTX valid for sm_70 (ptxas accepts it), the host side compiled, tensor cores in every
 fp16 wmma kernel, the bf16 ones trapped (no bf16 fragments before sm_80), and the GDN conv prep
-free of spills. Needs clang++ >=
-19 (Debian 12: ``apt-get install clang-19``); CI installs it and sets ``VO_REQUIRE_CLANG=1``,
-which turns a missing clang into a failure instead of a skip."""
+free of spills. Needs clang++ >= 19 (Debian 12: ``apt-get install clang-19``); CI installs it
+and sets ``VO_REQUIRE_CLANG=1``, which turns a missing clang into a failure instead of a skip."""
 
 from __future__ import annotations
 
