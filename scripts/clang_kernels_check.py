@@ -69,13 +69,18 @@ def find_clang() -> str | None:
 
 
 def ptx_kernels(ptx: str) -> dict[str, dict[str, int]]:
-    """Per ``.entry`` of a PTX module: its ``wmma.mma`` and ``trap`` instruction counts."""
+    """Per ``.entry`` of a PTX module: its ``wmma.mma`` and ``trap`` instruction counts, and its
+    fragment loads by state space: ``.shared`` ones become ldmatrix, generic ones (no state
+    space: what clang emits for every wmma load, nvcc for bf16; LEDGER) 4-byte loads."""
     out: dict[str, dict[str, int]] = {}
     parts = re.split(r"^(?:\.(?:visible|weak)\s+)?\.entry\s+(\S+?)\s*\(", ptx, flags=re.M)
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        loads = [set(q.split(".")) for q in re.findall(r"\bwmma\.load\.[abc]\.sync\.(\S+)", body)]
         out[name] = {
             "wmma": len(re.findall(r"\bwmma\.mma", body)),
             "trap": len(re.findall(r"\btrap;", body)),
+            "wmma_load_shared": sum("shared" in q for q in loads),
+            "wmma_load_generic": sum(not q & {"shared", "global", "local"} for q in loads),
         }
     return out
 
@@ -99,7 +104,11 @@ def _run(cmd: list[str]) -> tuple[bool, str]:
     return proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def check_source(clang: str, home: Path, stubs: Path, src: Path, arch: str) -> dict:
+def check_source(
+    clang: str, home: Path, stubs: Path, src: Path, arch: str, nvdisasm: Path | None = None
+) -> dict:
+    """``nvdisasm``: also each kernel's hot loop (``cuda_toolchain.parse_sass``) where the
+    disassembler reads the architecture (CUDA 13's: sm_75 and later)."""
     base = [
         clang, "-x", "cuda", f"--cuda-path={home}", f"--cuda-gpu-arch={arch}",
         "-Wno-unknown-cuda-version", "-Wno-c++20-extensions", "-std=c++17", "-O3", "-fPIC",
@@ -117,6 +126,10 @@ def check_source(clang: str, home: Path, stubs: Path, src: Path, arch: str) -> d
                             str(Path(tmp) / "k.cubin"), str(ptx)])  # fmt: skip
             res["ptxas_ok"], res["ptxas_log"] = ok, log[-3000:]
             usage = {r["mangled"]: r for r in cuda_toolchain.parse_ptxas(log)}
+            sass: dict[str, dict] = {}
+            if ok and nvdisasm is not None and int(arch.removeprefix("sm_")) >= 75:
+                ok_d, dis = _run([str(nvdisasm), "-c", str(Path(tmp) / "k.cubin")])
+                sass = cuda_toolchain.parse_sass(dis) if ok_d else {}
             counts = ptx_kernels(text)
             names = cuda_toolchain.demangle(list(counts))
             for (mangled, c), name in zip(counts.items(), names, strict=True):
@@ -124,6 +137,7 @@ def check_source(clang: str, home: Path, stubs: Path, src: Path, arch: str) -> d
                 res["kernels"][name] = {
                     **c, "registers": u.get("registers"),
                     "spill_stores": u.get("spill_stores"), "spill_loads": u.get("spill_loads"),
+                    "hot_loop": sass.get(mangled, {}).get("hot_loop"),
                 }  # fmt: skip
         else:
             res["ptxas_ok"], res["ptxas_log"] = False, "(no PTX)"
@@ -138,7 +152,9 @@ def check_source(clang: str, home: Path, stubs: Path, src: Path, arch: str) -> d
     return res
 
 
-def run(archs: list[str], sources: list[Path], cache: Path, jobs: int) -> list[dict]:
+def run(
+    archs: list[str], sources: list[Path], cache: Path, jobs: int, nvdisasm: Path | None = None
+) -> list[dict]:
     clang = find_clang()
     if clang is None:
         raise SystemExit("clang_kernels_check: needs clang++ >= 19 (apt-get install clang-19)")
@@ -148,9 +164,14 @@ def run(archs: list[str], sources: list[Path], cache: Path, jobs: int) -> list[d
 
     with ThreadPoolExecutor(jobs) as pool:
         futures = [
-            pool.submit(check_source, clang, home, stubs, s, a) for s in sources for a in archs
+            pool.submit(check_source, clang, home, stubs, s, a, nvdisasm)
+            for s in sources
+            for a in archs
         ]
         return [f.result() for f in tqdm(futures, desc="clang", unit="file")]
+
+
+HOT_LOOP_KEYS = ("instructions", "mma", "ld_shared", "ld_generic", "movm")
 
 
 def main() -> None:
@@ -159,18 +180,35 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=ROOT / "build" / "cuda12-clang")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "clang-check.json")
+    ap.add_argument(
+        "--sass",
+        action="store_true",
+        help="also the tensor-core kernels' hot loops (nvdisasm; sm_75 and later)",
+    )
     args = ap.parse_args()
-    results = run(args.arch, sorted(CSRC.glob("*.cu")), args.cache.resolve(), args.jobs)
-    print(f"{'source':22s} {'arch':6s} device ptxas host  kernels  wmma  max-regs  spilling")
+    nvdisasm = None
+    if args.sass:
+        tools = ROOT / "build" / "cuda-toolchain" / "nvdisasm"  # shared with kernel_resources.py
+        nvdisasm = cuda_toolchain.fetch(cuda_toolchain.NVDISASM, tools) / "nvidia/cu13/bin/nvdisasm"
+    results = run(args.arch, sorted(CSRC.glob("*.cu")), args.cache.resolve(), args.jobs, nvdisasm)
+    print(f"{'source':22s} {'arch':6s} device ptxas host  kernels  wmma  max-regs  spilling"
+          "  frag-loads generic/shared")  # fmt: skip
     for r in results:
         k = r["kernels"].values()
         regs = max((c["registers"] or 0 for c in k), default=0)
         mma = sum(c["wmma"] > 0 for c in k)
         spill = sum((c["spill_stores"] or 0) > 0 for c in k)
+        gen = sum(c["wmma_load_generic"] for c in k)
+        shr = sum(c["wmma_load_shared"] for c in k)
         print(f"{r['source']:22s} {r['arch']:6s} {r['device_ok']!s:6s} {r['ptxas_ok']!s:5s} "
-              f"{r['host_ok']!s:5s} {len(k):7d}  {mma:4d}  {regs:8d}  {spill:8d}")  # fmt: skip
+              f"{r['host_ok']!s:5s} {len(k):7d}  {mma:4d}  {regs:8d}  {spill:8d}"
+              f"  {gen:10d}/{shr:<6d}")  # fmt: skip
         for n in r["mma_mismatch"]:
             print(f"  tensor cores not as the architecture allows: {n}")
+        for n, c in sorted(r["kernels"].items()):
+            if (loop := c.get("hot_loop")) is not None:
+                mix = ", ".join(f"{key} {loop[key]}" for key in HOT_LOOP_KEYS)
+                print(f"  hot loop {n.split('(')[0].removeprefix('void ')}: {mix}")
         for step in ("device", "ptxas", "host"):
             if not r[f"{step}_ok"]:
                 print(f"  {step} failed:\n{r[f'{step}_log']}")

@@ -21,6 +21,9 @@ PTX = """\
 .visible .entry _Z1av(
 )
 {
+\twmma.load.a.sync.aligned.row.m16n16k16.shared.f16 {%r1}, [%r9], %r8;
+\twmma.load.b.sync.aligned.col.m16n16k16.f16 {%r2}, [%rd9], %r8;
+\twmma.load.c.sync.aligned.row.m16n16k16.global.f32 {%f1}, [%rd8], %r8;
 \twmma.mma.sync.aligned.row.col.m16n16k16.f32.f16 {%f1}, {%r1}, {%r2}, {%f1};
 \twmma.mma.sync.aligned.row.col.m16n16k16.f32.f16 {%f1}, {%r1}, {%r2}, {%f1};
 \tret;
@@ -36,9 +39,10 @@ PTX = """\
 
 def test_ptx_kernels_counts_per_entry() -> None:
     assert cc.ptx_kernels(PTX) == {
-        "_Z1av": {"wmma": 2, "trap": 0},
-        "_ZN12_GLOBAL__N_11bEv": {"wmma": 0, "trap": 1},
-    }
+        "_Z1av": {"wmma": 2, "trap": 0, "wmma_load_shared": 1, "wmma_load_generic": 1},
+        "_ZN12_GLOBAL__N_11bEv": {"wmma": 0, "trap": 1, "wmma_load_shared": 0,
+                                  "wmma_load_generic": 0},
+    }  # fmt: skip
 
 
 def test_which_kernels_must_have_tensor_cores() -> None:
