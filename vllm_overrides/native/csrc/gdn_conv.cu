@@ -39,11 +39,12 @@ constexpr int kConvWidth = 4;
 // 2 tokens at >= 4 blocks an SM (ptxas: 64 registers, no spill) 107 us; 4 tokens at >= 3
 // blocks 112 us, and 8 tokens spilled there.
 constexpr int kConvRows = 2;
-// That bound is nvcc's: clang (the target's CoreX is a clang) needs about twice the registers
-// for this kernel, and at 64 it spilled 36-340 bytes a thread, at every width and both sm_70
-// and sm_90 (clang 19 + ptxas 12.5, scripts/clang_kernels_check.py; LEDGER), while unbounded
-// it takes 92-128 and spills nothing. Local-memory traffic on a memory-bound kernel costs more
-// than the occupancy it buys, so clang gets only the block size.
+// That bound is nvcc's. clang (the target's CoreX is a clang) needs about twice the registers
+// for this kernel: held to 64 it spilled 36-340 bytes a thread in 22 of its 24 instantiations
+// at sm_70 and sm_90 (clang 19 + ptxas 12.5, scripts/clang_kernels_check.py; LEDGER); with the
+// block size alone, the 2-token kernel takes 118-170 and spills nothing. On a memory-bound
+// kernel we would rather give up occupancy than add local-memory traffic (not timed on the
+// target), so clang gets only the block size.
 #ifdef VO_CPU_EMULATION
 #define VO_CONV_BOUNDS
 #elif defined(__clang__)
