@@ -2,9 +2,10 @@
 card reports and the kind of compiler its CoreX toolchain is (scripts/clang_kernels_check.py).
 
 Device PTX valid for sm_70 (ptxas accepts it), the host side compiled, tensor cores in every
-fp16 wmma kernel, the bf16 ones trapped (no bf16 fragments before sm_80), and the GDN conv prep
-free of spills. Needs clang++ >= 19 (Debian 12: ``apt-get install clang-19``); CI installs it
-and sets ``VO_REQUIRE_CLANG=1``, which turns a missing clang into a failure instead of a skip."""
+fp16 wmma kernel, the bf16 ones trapped (no bf16 fragments before sm_80), the GDN conv prep
+free of spills, and no ``#pragma unroll`` that clang could not honour. Needs clang++ >= 19
+(Debian 12: ``apt-get install clang-19``); CI installs it and sets ``VO_REQUIRE_CLANG=1``,
+which turns a missing clang into a failure instead of a skip."""
 
 from __future__ import annotations
 
@@ -94,3 +95,10 @@ def test_conv_prep_does_not_spill_under_clang(sm70: list[dict]) -> None:
     two = {n: c for n, c in preps.items() if ", 4, 2>" in n}
     assert len(two) == 6, sorted(preps)  # float, Half, BFloat16 x int, long offsets
     assert all(c["spill_stores"] == 0 and c["spill_loads"] == 0 for c in two.values()), two
+
+
+def test_no_unroll_request_left_undone(sm70: list[dict]) -> None:
+    # clang warns when it cannot honour a `#pragma unroll`; gemv_kernel's K walk was one
+    # (a runtime stride), and it is now unrolled by hand on this path.
+    for r in sm70:
+        assert "loop not unrolled" not in r["device_log"], (r["source"], r["device_log"][-1500:])

@@ -187,7 +187,8 @@ def test_rms_norm_gated_strided_gate(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("NK", [(37, 264), (256, 2048), (3088, 1024)])
+# K = 2560: rounds of four steps and a remainder (one step = warpSize x 16 bytes of a row).
+@pytest.mark.parametrize("NK", [(37, 264), (256, 2048), (3088, 1024), (40, 2560)])
 @pytest.mark.parametrize("kdev,M", cases([1, 3, 8], [2]), indirect=["kdev"])
 def test_dense_linear_vs_reference_and_torch(
     kdev: str, dtype: torch.dtype, NK: tuple[int, int], M: int

@@ -466,8 +466,7 @@ __global__ void gemv_kernel(const T* __restrict__ x, int64_t s_x, const T* __res
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-#pragma unroll 4
-    for (int k = lane * V; k < K; k += warpSize * V) {
+    auto step = [&](int k) {  // this lane's 16-byte chunk at k of each row, times each x row
       Vec<T> wv[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -487,7 +486,26 @@ __global__ void gemv_kernel(const T* __restrict__ x, int64_t s_x, const T* __res
 #pragma unroll
           for (int u = 0; u < V; ++u) acc[r][m] += wv[r].f[u] * xv.f[u];
       }
+    };
+    const int stride = warpSize * V;
+#if defined(__NVCC__) && !defined(__clang__)
+#pragma unroll 4
+    for (int k = lane * V; k < K; k += stride) step(k);
+#else
+    // Four steps a round by hand, then the rest. The stride is a runtime value (warpSize), and
+    // clang 19 left the `#pragma unroll 4` above rolled ("loop not unrolled"; LEDGER): one
+    // step's loads in flight at a time. clang (the target's CoreX is one) and the CPU
+    // emulation build take this path; nvcc keeps its own unroll (same SASS). Same order of
+    // additions as the single loop.
+    int k = lane * V;
+    for (; k + 3 * stride < K; k += 4 * stride) {
+      step(k);
+      step(k + stride);
+      step(k + 2 * stride);
+      step(k + 3 * stride);
     }
+    for (; k < K; k += stride) step(k);
+#endif
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
