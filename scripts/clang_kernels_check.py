@@ -128,8 +128,9 @@ def check_source(
             usage = {r["mangled"]: r for r in cuda_toolchain.parse_ptxas(log)}
             sass: dict[str, dict] = {}
             if ok and nvdisasm is not None and int(arch.removeprefix("sm_")) >= 75:
-                ok_d, dis = _run([str(nvdisasm), "-c", str(Path(tmp) / "k.cubin")])
-                sass = cuda_toolchain.parse_sass(dis) if ok_d else {}
+                sass = cuda_toolchain.parse_sass(
+                    cuda_toolchain.disassemble(nvdisasm, Path(tmp) / "k.cubin")
+                )
             counts = ptx_kernels(text)
             names = cuda_toolchain.demangle(list(counts))
             for (mangled, c), name in zip(counts.items(), names, strict=True):
@@ -188,8 +189,8 @@ def main() -> None:
     args = ap.parse_args()
     nvdisasm = None
     if args.sass:
-        tools = ROOT / "build" / "cuda-toolchain" / "nvdisasm"  # shared with kernel_resources.py
-        nvdisasm = cuda_toolchain.fetch(cuda_toolchain.NVDISASM, tools) / "nvidia/cu13/bin/nvdisasm"
+        # the same folder as kernel_resources.py's, so one fetch serves both
+        nvdisasm = cuda_toolchain.nvdisasm_path(ROOT / "build" / "cuda-toolchain" / "nvdisasm")
     results = run(args.arch, sorted(CSRC.glob("*.cu")), args.cache.resolve(), args.jobs, nvdisasm)
     print(f"{'source':22s} {'arch':6s} device ptxas host  kernels  wmma  max-regs  spilling"
           "  frag-loads generic/shared")  # fmt: skip

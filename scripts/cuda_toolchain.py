@@ -171,16 +171,21 @@ def sass_class_counts(opcodes: list[str]) -> dict[str, int]:
     return counts
 
 
-def parse_sass(text: str) -> dict[str, dict]:
-    """nvdisasm output -> per function (mangled name): class counts of the whole function and
-    of its hot loop.
+def nvdisasm_path(root: Path) -> Path:
+    """The pinned nvdisasm, fetched into ``root`` the first time."""
+    return fetch(NVDISASM, root) / "nvidia/cu13/bin/nvdisasm"
 
-    The hot loop is the smallest loop (a backward branch's range) holding the most MMA
-    instructions: in a GEMM the k-loop, in the GDN state pass the chunk loop. Its counts are
-    what one iteration executes, where whole-function counts weigh prologue and epilogue code
-    as much as the loop. None for a kernel without MMAs in a loop. Static counts, not a
-    profile: no trip counts (an inner loop counts once), no stalls.
-    """
+
+def disassemble(nvdisasm: Path, cubin: Path) -> str:
+    return subprocess.run(
+        [str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def sass_loops(text: str) -> dict[str, dict[str, list]]:
+    """nvdisasm output -> per function (mangled name): its ``opcodes`` and its ``loops``, the
+    opcodes of each backward branch's range (head to the last branch back to it), by head
+    address: an outer loop before the loops it holds."""
     funcs: dict[str, list[tuple[int, str, str | None]]] = {}
     labels: dict[str, dict[str, int]] = {}
     cur: str | None = None
@@ -200,21 +205,39 @@ def parse_sass(text: str) -> dict[str, dict]:
             pending = []
             t = _TARGET.search(m.group(3)) if m.group(2).startswith("BRA") else None
             funcs[cur].append((addr, m.group(2), t.group(1) if t else None))
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, list]] = {}
     for name, insns in funcs.items():
-        loops: dict[int, int] = {}  # loop head address -> last backward branch's address
+        spans: dict[int, int] = {}  # loop head address -> last backward branch's address
         for addr, _, target in insns:
             head = labels[name].get(target, addr + 1) if target else addr + 1
             if head <= addr:
-                loops[head] = max(loops.get(head, addr), addr)
-        spans = [
-            sass_class_counts([op for addr, op, _ in insns if head <= addr <= end])
-            for head, end in loops.items()
-        ]
+                spans[head] = max(spans.get(head, addr), addr)
+        out[name] = {
+            "opcodes": [op for _, op, _ in insns],
+            "loops": [
+                [op for addr, op, _ in insns if head <= addr <= end]
+                for head, end in sorted(spans.items())
+            ],
+        }
+    return out
+
+
+def parse_sass(text: str) -> dict[str, dict]:
+    """nvdisasm output -> per function (mangled name): class counts of the whole function and
+    of its hot loop.
+
+    The hot loop is the smallest loop (a backward branch's range) holding the most MMA
+    instructions: in a GEMM the k-loop, in the GDN state pass the chunk loop. Its counts are
+    what one iteration executes, where whole-function counts weigh prologue and epilogue code
+    as much as the loop. None for a kernel without MMAs in a loop. Static counts, not a
+    profile: no trip counts (an inner loop counts once), no stalls.
+    """
+    out: dict[str, dict] = {}
+    for name, f in sass_loops(text).items():
         best = max(
-            (c for c in spans if c["mma"]),
+            (c for c in map(sass_class_counts, f["loops"]) if c["mma"]),
             key=lambda c: (c["mma"], -c["instructions"]),  # most MMAs, then the smallest
             default=None,
         )
-        out[name] = {"function": sass_class_counts([op for _, op, _ in insns]), "hot_loop": best}
+        out[name] = {"function": sass_class_counts(f["opcodes"]), "hot_loop": best}
     return out

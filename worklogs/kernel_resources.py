@@ -97,9 +97,7 @@ def compile_one(
         cmd = nvcc_command(home, stubs, source, arch, obj, cubin=nvdisasm is not None)
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
         if proc.returncode == 0 and nvdisasm is not None:
-            dis = subprocess.run([str(nvdisasm), "-c", str(obj)], capture_output=True, text=True,
-                                 check=True)  # fmt: skip
-            sass = cuda_toolchain.parse_sass(dis.stdout)
+            sass = cuda_toolchain.parse_sass(cuda_toolchain.disassemble(nvdisasm, obj))
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed on {tree}/{source} ({arch}):\n{proc.stderr[-4000:]}")
     rows = cuda_toolchain.parse_ptxas(proc.stdout + proc.stderr)
@@ -108,7 +106,7 @@ def compile_one(
         KernelUsage(tree=str(tree), source=source.name, arch=r["arch"], kernel=n,
                     registers=r["registers"], spill_stores=r["spill_stores"],
                     spill_loads=r["spill_loads"], stack=r["stack"], barriers=r["barriers"],
-                    sass=sass.get(r["mangled"]) if nvdisasm is not None else None)
+                    sass=sass.get(r["mangled"]))
         for r, n in zip(rows, names, strict=True)
     ]  # fmt: skip
 
@@ -186,8 +184,7 @@ def main() -> None:
     stubs = cuda_toolchain.write_stubs(args.toolchain.resolve())
     nvdisasm = None
     if args.sass:
-        tools = cuda_toolchain.fetch(cuda_toolchain.NVDISASM, args.toolchain.resolve() / "nvdisasm")
-        nvdisasm = tools / "nvidia/cu13/bin/nvdisasm"
+        nvdisasm = cuda_toolchain.nvdisasm_path(args.toolchain.resolve() / "nvdisasm")
     jobs = []
     for tree in trees:
         names = args.sources or sorted(p.name for p in (tree / CSRC).glob("*.cu"))

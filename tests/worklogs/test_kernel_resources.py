@@ -139,6 +139,19 @@ def test_parse_sass_counts_the_function_and_its_hot_loop() -> None:
     assert out["_Z1gv"]["function"]["ld_global"] == 1
 
 
+def test_sass_loops_lists_each_loop_by_head_address() -> None:
+    out = cuda_toolchain.sass_loops(SASS)
+    k = out["_Z1kPf"]
+    assert len(k["opcodes"]) == 21 and k["opcodes"][0] == "LDC"
+    # .L_x_1 (0x10..0x30), .L_x_0 (0x40..0x100, around .L_x_2), .L_x_2 (0x70..0xf0), the
+    # self-loop .L_x_4; .L_x_3 is a forward branch's target, not a loop.
+    assert [len(loop) for loop in k["loops"]] == [3, 14, 10, 1]
+    assert k["loops"][0] == ["LDS", "HMMA.16816.F32", "BRA"]
+    assert k["loops"][1][0] == "LDG.E" and k["loops"][1][-1] == "BRA"
+    assert k["loops"][3] == ["BRA"]
+    assert out["_Z1gv"] == {"opcodes": ["LDG.E", "EXIT"], "loops": []}
+
+
 def test_parse_sass_hot_loop_is_the_one_with_most_mmas() -> None:
     # Without .L_x_2's back edge, the outer .L_x_0 is the loop with the most MMAs (two against
     # .L_x_1's one), so it becomes the hot loop, its load and barrier included.
