@@ -104,16 +104,23 @@ def _run(cmd: list[str]) -> tuple[bool, str]:
     return proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def clang_command(clang: str, home: Path, stubs: Path, arch: str) -> list[str]:
+    """clang's CUDA command line for one architecture, without the mode (``--cuda-device-only
+    -S`` or ``--cuda-host-only -c``), output and source; ``home`` and ``stubs`` as
+    ``cuda_toolchain.clang_cuda_home`` and ``write_stubs`` give them."""
+    return [
+        clang, "-x", "cuda", f"--cuda-path={home}", f"--cuda-gpu-arch={arch}",
+        "-Wno-unknown-cuda-version", "-Wno-c++20-extensions", "-std=c++17", "-O3", "-fPIC",
+        *defines(), f"-I{stubs}", *(f"-I{i}" for i in cuda_toolchain.torch_includes()),
+    ]  # fmt: skip
+
+
 def check_source(
     clang: str, home: Path, stubs: Path, src: Path, arch: str, nvdisasm: Path | None = None
 ) -> dict:
     """``nvdisasm``: also each kernel's hot loop (``cuda_toolchain.parse_sass``) where the
     disassembler reads the architecture (CUDA 13's: sm_75 and later)."""
-    base = [
-        clang, "-x", "cuda", f"--cuda-path={home}", f"--cuda-gpu-arch={arch}",
-        "-Wno-unknown-cuda-version", "-Wno-c++20-extensions", "-std=c++17", "-O3", "-fPIC",
-        *defines(), f"-I{stubs}", *(f"-I{i}" for i in cuda_toolchain.torch_includes()),
-    ]  # fmt: skip
+    base = clang_command(clang, home, stubs, arch)
     res: dict = {"source": src.name, "arch": arch}
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"

@@ -32,11 +32,7 @@ def main() -> None:
     cache = ROOT / "build" / "cuda12-clang"
     home, stubs = ct.clang_cuda_home(cache), ct.write_stubs(cache)
     nvdisasm = ct.nvdisasm_path(ROOT / "build/cuda-toolchain/nvdisasm")
-    base = [
-        cc.find_clang(), "-x", "cuda", f"--cuda-path={home}", "--cuda-gpu-arch=sm_90",
-        "-Wno-unknown-cuda-version", "-Wno-c++20-extensions", "-std=c++17", "-O3", "-fPIC",
-        *cc.defines(), f"-I{stubs}", *(f"-I{i}" for i in ct.torch_includes()),
-    ]  # fmt: skip
+    base = cc.clang_command(cc.find_clang(), home, stubs, "sm_90")
     src = tree / "vllm_overrides/native/csrc/native_kernels.cu"
     subprocess.run([*base, "--cuda-device-only", "-S", "-o", "/tmp/nk.ptx", str(src)],
                    check=True, capture_output=True)  # fmt: skip
