@@ -136,3 +136,24 @@ def test_patches_to_one_file_apply_on_top_of_each_other(tmp_path: Path) -> None:
     again = patching.apply(site, pdir)
     assert all("already applied" in line for line in again[:2])
     assert (site / "vllm" / "x.py").read_text() == "".join(second)
+
+
+def test_concurrent_applies_all_succeed(site: Path) -> None:
+    """Four applies at once (``make serve`` beside ``make preflight`` both deploy): each waits
+    for the site's lock. Without it two or three of four died in the overlay's rmtree +
+    copytree (FileExistsError, half-copied package) in each of three trials."""
+    runs = [
+        subprocess.Popen(
+            ["bash", str(REPO_DIR / "patch_ops.sh"), "apply"],
+            env={**os.environ, "PYTHON": sys.executable},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-2000:]
+    verify = patch_ops("verify")
+    assert verify.returncode == 0, verify.stderr

@@ -10,6 +10,8 @@ its reverse applying cleanly, which makes a second ``apply`` a no-op.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -19,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -313,13 +316,37 @@ def status(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def site_lock(site: Path) -> Iterator[None]:
+    """One patch_ops action at a time on a site: two concurrent applies (``make serve`` beside
+    ``make preflight``, both deploying) raced in the overlay's rmtree + copytree and one died
+    with FileExistsError or half a package; a verify beside an apply saw files mid-copy."""
+    try:
+        fh = open(site / ".vllm_overrides.lock", "a")  # held across the yield
+    except OSError:  # a read-only site: nothing can deploy into it, verify needs no lock
+        yield
+        return
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="patch_ops.sh", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["apply", "verify", "status", "revert"])
     args = parser.parse_args(argv)
     try:
         site = find_vllm_site()
-        if args.action == "verify":
+    except PatchError as exc:
+        print(f"patch_ops: {exc}", file=sys.stderr)
+        return 2
+    with site_lock(site):
+        return _run_action(args.action, site)
+
+
+def _run_action(action: str, site: Path) -> int:
+    try:
+        if action == "verify":
             check_version(site)
             problems = verify(site)
             for problem in problems:
@@ -330,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"verify: OK ({len(json.loads((site / MANIFEST_NAME).read_text())['files'])} files)"
             )
             return 0
-        handler = {"apply": apply, "status": status, "revert": revert}[args.action]
+        handler = {"apply": apply, "status": status, "revert": revert}[action]
         for line in handler(site):
             print(line)
         return 0
