@@ -30,15 +30,35 @@ def site() -> Path:
     return find_vllm_site()
 
 
+def overlay_inodes(site: Path) -> dict[str, int]:
+    overlay = site / "vllm_overrides"
+    return {str(p.relative_to(overlay)): p.stat().st_ino for p in overlay.rglob("*.py")}
+
+
 def test_second_apply_is_a_no_op(site: Path) -> None:
     manifest = (site / MANIFEST_NAME).read_bytes()
     patched = {p: (site / p).read_bytes() for p in json.loads(manifest)["patched_files"]}
+    inodes = overlay_inodes(site)
     again = patch_ops("apply")
     assert again.returncode == 0, again.stderr
     assert "already applied" in again.stdout
     assert " applied\n" not in again.stdout.replace("already applied\n", "")
+    assert "overlay vllm_overrides" in again.stdout and "already installed" in again.stdout
     assert (site / MANIFEST_NAME).read_bytes() == manifest
     assert {p: (site / p).read_bytes() for p in patched} == patched
+    # the overlay was not copied again: a server running from it never sees it vanish
+    assert overlay_inodes(site) == inodes
+
+
+def test_apply_puts_back_an_altered_overlay(site: Path) -> None:
+    target = site / "vllm_overrides" / "patching.py"
+    original = target.read_bytes()
+    target.write_bytes(original + b"\n# altered after deployment\n")
+    fixed = patch_ops("apply")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "already installed" not in fixed.stdout
+    assert target.read_bytes() == original
+    assert patch_ops("verify").returncode == 0
 
 
 def test_every_patch_is_applied_and_in_the_ledger(site: Path) -> None:

@@ -156,6 +156,17 @@ def _overlay_files(site: Path) -> list[Path]:
     )
 
 
+def _package_files(root: Path) -> dict[str, bytes]:
+    """What the overlay copy holds: every file but byte code, by relative path."""
+    if not root.is_dir():
+        return {}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+    }
+
+
 def apply(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
     """Apply every patch (all checked before any is written), install overlay, write manifest."""
     check_version(site)
@@ -185,11 +196,15 @@ def apply(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
     for target in sorted(changed):
         target.write_text("".join(current[target]), encoding="utf-8")
     dest = site / "vllm_overrides"
-    if dest.resolve() != PACKAGE_DIR:
+    # An identical copy stays as it is: a server already running from it keeps importing
+    # whole files (a re-copy removed the package for a moment), and its byte code stays valid.
+    if dest.resolve() == PACKAGE_DIR or _package_files(dest) == _package_files(PACKAGE_DIR):
+        log.append(f"overlay vllm_overrides {__version__} already installed at {dest}")
+    else:
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(PACKAGE_DIR, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        log.append(f"overlay vllm_overrides {__version__} installed at {dest}")
     write_manifest(site, patch_dir)
-    log.append(f"overlay vllm_overrides {__version__} installed at {dest}")
     return log
 
 
