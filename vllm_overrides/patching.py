@@ -10,8 +10,8 @@ its reverse applying cleanly, which makes a second ``apply`` a no-op.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -21,9 +21,10 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from vllm_overrides import TARGET_VLLM_VERSION, __version__
 
@@ -31,6 +32,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
 PATCH_DIR = REPO_DIR / "patches" / f"vllm-{TARGET_VLLM_VERSION}"
 MANIFEST_NAME = "vllm_overrides.manifest.json"
+T = TypeVar("T")
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
@@ -156,6 +158,25 @@ def _overlay_files(site: Path) -> list[Path]:
     )
 
 
+def _site_locked(fn: Callable[..., T]) -> Callable[..., T]:
+    """One deploy action at a time on a site, whoever calls it: two concurrent applies (``make
+    serve`` beside ``make preflight``, both deploying) raced in the overlay's rmtree + copytree
+    and one died with FileExistsError or half a package; a verify beside an apply saw files
+    mid-copy. The lock is skipped where the site is read-only (nothing can deploy there)."""
+
+    @functools.wraps(fn)
+    def locked(site: Path, *args: Any, **kwargs: Any) -> T:
+        try:
+            fh = open(site / ".vllm_overrides.lock", "a")  # held while fn runs
+        except OSError:
+            return fn(site, *args, **kwargs)
+        with fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            return fn(site, *args, **kwargs)  # closing the file releases the lock
+
+    return locked
+
+
 def _package_files(root: Path) -> dict[str, bytes]:
     """What the overlay copy holds: every file but byte code, by relative path."""
     if not root.is_dir():
@@ -167,6 +188,7 @@ def _package_files(root: Path) -> dict[str, bytes]:
     }
 
 
+@_site_locked
 def apply(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
     """Apply every patch (all checked before any is written), install overlay, write manifest."""
     check_version(site)
@@ -223,6 +245,7 @@ def write_manifest(site: Path, patch_dir: Path = PATCH_DIR) -> Path:
     return path
 
 
+@_site_locked
 def verify(site: Path, patch_dir: Path = PATCH_DIR, import_modules: bool = True) -> list[str]:
     """Return a list of problems (empty when the deployment is intact)."""
     manifest_path = site / MANIFEST_NAME
@@ -303,6 +326,7 @@ def _import_problems(site: Path, manifest: dict) -> list[str]:
     return problems
 
 
+@_site_locked
 def revert(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
     log: list[str] = []
     for name, files in reversed(load_patches(patch_dir)):
@@ -331,37 +355,13 @@ def status(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
     return lines
 
 
-@contextlib.contextmanager
-def site_lock(site: Path) -> Iterator[None]:
-    """One patch_ops action at a time on a site: two concurrent applies (``make serve`` beside
-    ``make preflight``, both deploying) raced in the overlay's rmtree + copytree and one died
-    with FileExistsError or half a package; a verify beside an apply saw files mid-copy."""
-    try:
-        fh = open(site / ".vllm_overrides.lock", "a")  # held across the yield
-    except OSError:  # a read-only site: nothing can deploy into it, verify needs no lock
-        yield
-        return
-    with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="patch_ops.sh", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["apply", "verify", "status", "revert"])
     args = parser.parse_args(argv)
     try:
         site = find_vllm_site()
-    except PatchError as exc:
-        print(f"patch_ops: {exc}", file=sys.stderr)
-        return 2
-    with site_lock(site):
-        return _run_action(args.action, site)
-
-
-def _run_action(action: str, site: Path) -> int:
-    try:
-        if action == "verify":
+        if args.action == "verify":
             check_version(site)
             problems = verify(site)
             for problem in problems:
@@ -372,7 +372,7 @@ def _run_action(action: str, site: Path) -> int:
                 f"verify: OK ({len(json.loads((site / MANIFEST_NAME).read_text())['files'])} files)"
             )
             return 0
-        handler = {"apply": apply, "status": status, "revert": revert}[action]
+        handler = {"apply": apply, "status": status, "revert": revert}[args.action]
         for line in handler(site):
             print(line)
         return 0
