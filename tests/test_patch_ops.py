@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from vllm_overrides import patching
 from vllm_overrides.patching import MANIFEST_NAME, find_vllm_site, parse_patch, write_manifest
 
 REPO_DIR = Path(__file__).resolve().parents[1]
@@ -59,6 +61,22 @@ def test_apply_puts_back_an_altered_overlay(site: Path) -> None:
     assert "already installed" not in fixed.stdout
     assert target.read_bytes() == original
     assert patch_ops("verify").returncode == 0
+
+
+def test_overlay_copy_and_comparison_leave_byte_code_out(tmp_path: Path) -> None:
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    for rel in ("a.py", "sub/b.py", "__pycache__/a.cpython-311.pyc", "sub/c.pyc"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(rel)
+    shutil.copytree(src, dest, ignore=patching._not_copied)
+    copied = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+    assert copied == ["a.py", "sub/b.py"]
+    # byte code a running server writes into the copy does not make it differ from the source
+    (dest / "sub" / "__pycache__").mkdir()
+    (dest / "sub" / "__pycache__" / "b.cpython-311.pyc").write_text("x")
+    assert patching._package_files(dest) == patching._package_files(src)
+    (dest / "sub" / "b.py").write_text("changed")
+    assert patching._package_files(dest) != patching._package_files(src)
 
 
 def test_every_patch_is_applied_and_in_the_ledger(site: Path) -> None:

@@ -177,6 +177,16 @@ def _site_locked(fn: Callable[..., T]) -> Callable[..., T]:
     return locked
 
 
+def _byte_code(path: Path) -> bool:
+    """Python's byte code: never copied into the overlay nor compared with it."""
+    return "__pycache__" in path.parts or path.suffix == ".pyc"
+
+
+def _not_copied(folder: str, names: list[str]) -> list[str]:
+    """``shutil.copytree``'s ``ignore``: the byte code among ``names``."""
+    return [n for n in names if _byte_code(Path(n))]
+
+
 def _package_files(root: Path) -> dict[str, bytes]:
     """What the overlay copy holds: every file but byte code, by relative path."""
     if not root.is_dir():
@@ -184,7 +194,7 @@ def _package_files(root: Path) -> dict[str, bytes]:
     return {
         p.relative_to(root).as_posix(): p.read_bytes()
         for p in root.rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+        if p.is_file() and not _byte_code(p.relative_to(root))
     }
 
 
@@ -224,7 +234,7 @@ def apply(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
         log.append(f"overlay vllm_overrides {__version__} already installed at {dest}")
     else:
         shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(PACKAGE_DIR, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(PACKAGE_DIR, dest, ignore=_not_copied)
         log.append(f"overlay vllm_overrides {__version__} installed at {dest}")
     write_manifest(site, patch_dir)
     return log
