@@ -29,10 +29,13 @@ def counts(loops: list[list[str]]) -> list[tuple[int, int, int]]:
 
 def main() -> None:
     tree = Path(sys.argv[1])
+    clang = cc.find_clang()
+    if clang is None:
+        raise SystemExit("clang_gemv_loops: needs clang++ >= 19 (apt-get install clang-19)")
     cache = ROOT / "build" / "cuda12-clang"
     home, stubs = ct.clang_cuda_home(cache), ct.write_stubs(cache)
     nvdisasm = ct.nvdisasm_path(ROOT / "build/cuda-toolchain/nvdisasm")
-    base = cc.clang_command(cc.find_clang(), home, stubs, "sm_90")
+    base = cc.clang_command(clang, home, stubs, "sm_90")
     src = tree / "vllm_overrides/native/csrc/native_kernels.cu"
     subprocess.run([*base, "--cuda-device-only", "-S", "-o", "/tmp/nk.ptx", str(src)],
                    check=True, capture_output=True)  # fmt: skip
