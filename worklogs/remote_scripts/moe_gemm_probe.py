@@ -49,6 +49,13 @@ def main() -> int:
         help="comma-separated column blocks a block walks (moe_grouped_gemm's run) to time our"
         " GEMMs at besides the kernel's own choice, e.g. 1,2,4,8,16",
     )
+    p.add_argument(
+        "--split",
+        default="",
+        help="comma-separated stream counts: also time moe_prefill with the tokens cut into that"
+        " many parts, each on its own stream, so one part's row movement can overlap another's"
+        " GEMMs (e.g. 2,4)",
+    )
     a = p.parse_args()
     assert kernels.extension_loaded(), kernels._load_error
     dev, dt = torch.device("cuda"), getattr(torch, a.dtype)
@@ -104,6 +111,16 @@ def main() -> int:
             lambda m=m: kernels.moe_prefill(x, logits, k, True, w13, w2, None, m),
             up + down,
         )
+        for n in (int(v) for v in a.split.split(",") if v):
+            cases[f"moe_prefill_{m}_split{n}"] = (
+                lambda m=m, n=n: split_streams(
+                    lambda xi, li: kernels.moe_prefill(xi, li, k, True, w13, w2, None, m),
+                    x,
+                    logits,
+                    n,
+                ),
+                up + down,
+            )
     out = {
         "label": a.label,
         "T": T,
@@ -111,11 +128,17 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "cases": {},
     }
+    for name, (fn, _) in cases.items():  # a split must give the whole op's result
+        if "_split" in name:
+            whole = cases[name.split("_split")[0]][0]()
+            err = (fn().float() - whole.float()).abs().max().item()
+            out["cases"][name] = {"max_abs_diff_vs_whole": err}
+            print(f"{name}: max |split - whole| = {err:.3g}")
     print(f"{'case':<22} {'graph ms':>9} {'TF/s':>7}")
     for name, (fn, fl) in cases.items():
         ms = graph_replay_ms(fn, rounds=5, replays=a.reps)
         row = {"graph_ms": ms, **({"TFps": fl / (ms * 1e-3) / 1e12} if fl else {})}
-        out["cases"][name] = row
+        out["cases"][name] = out["cases"].get(name, {}) | row
         print(f"{name:<22} {ms:9.4f} {row.get('TFps', float('nan')):7.1f}")
     if stock:
         out["stock_ceiling"] = ceiling(out["cases"], T, P, H, I, up + down, copy_gbps(dev, False))
@@ -129,6 +152,30 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
+
+
+_streams: list[torch.cuda.Stream] = []
+
+
+def split_streams(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    n: int,
+) -> torch.Tensor:
+    """``fn`` on ``n`` consecutive token parts, part i on side stream i, joined back on the
+    current stream: what the whole op would take if its parts overlapped (capturable)."""
+    while len(_streams) < n:
+        _streams.append(torch.cuda.Stream())
+    main = torch.cuda.current_stream()
+    outs = []
+    for xi, li, s in zip(x.chunk(n), logits.chunk(n), _streams, strict=False):
+        s.wait_stream(main)
+        with torch.cuda.stream(s):
+            outs.append(fn(xi, li))
+    for s in _streams[:n]:
+        main.wait_stream(s)
+    return torch.cat(outs)
 
 
 def ceiling(
