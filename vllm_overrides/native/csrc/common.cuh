@@ -312,11 +312,13 @@ constexpr int kScrWarp = 16 * kScrLd;
 // stores and the 16-byte reads need): rows 24 floats apart put each half-warp's stores on
 // distinct banks (16 apart, rows g and g + 2 collide), and odd lanes reading their second 16
 // bytes first do the same for each quarter-warp's reads.
-template <typename F>
+// WS: the warp width when the kernel knows it at compile time (0: read warpSize).
+template <int WS = 0, typename F>
 __device__ __forceinline__ void frag_out8(const FragC& f, float* __restrict__ scr, F&& put8) {
   wmma::store_matrix_sync(scr, f, kScrLd, wmma::mem_row_major);
   __syncwarp();
-  for (int e = threadIdx.x % warpSize; e < 32; e += warpSize) {
+  const int ws = WS > 0 ? WS : warpSize;
+  for (int e = threadIdx.x % ws; e < 32; e += ws) {
     const int h = (e % 2) * 4;
     const float* row = scr + (e / 2) * kScrLd + (e % 2) * 8;
     const float4 v0 = *reinterpret_cast<const float4*>(row + h);

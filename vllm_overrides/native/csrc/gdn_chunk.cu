@@ -38,7 +38,8 @@
 //   16x16 float scratch tile for per-row scaling and dtype conversion (the fragment's
 //   element -> (row, col) map is unspecified; the output pass scales instead by an accumulator
 //   fragment loaded from a tile of its row factors). Tiles are handed to warps in loops over
-//   blockDim / warpSize warps, so any warp width works (wmma is warp-collective).
+//   blockDim / warpSize warps (the state pass takes the width as a template constant that the
+//   host reads from the device), so any warp width works (wmma is warp-collective).
 // * float32: float32 FMA loops over shared-memory tiles (16-bit operands would miss float32
 //   accuracy), in which a thread keeps one output column for several rows in registers, so
 //   each operand element it loads feeds several FMAs (the other operand is a broadcast);
@@ -897,17 +898,16 @@ constexpr int kMmaVs = 16;
 // single rounding of v' was the largest error of the final state (emulated multi case:
 // 2.5e-3 -> 1.7e-3 vs float64; splitting h in v' = U - W h^T instead changed nothing).
 constexpr bool kSplitV = true;
-// Fragments a warp keeps (the fewest warps: 64 lanes): h tiles, v' tiles.
-constexpr int kMinWarps = kBlock / 64;
-constexpr int kHFrags = ((kMmaVs / 16) * (kMaxDim / 16) + kMinWarps - 1) / kMinWarps;
-constexpr int kVFrags = ((kChunk / 16) * (kMmaVs / 16) + kMinWarps - 1) / kMinWarps;
 constexpr int kStage16 = kChunk * kMaxDim * 2 / 16 / kBlock;  // uint4 per thread per operand
 
 // KD: the key dim as a template constant (32, 64 or 128). With K known, every row / column
 // split of the staging loops is a shift and the tile loops unroll: with a runtime K, integer
 // division and address arithmetic were half of the instructions on this serial path (ncu,
 // 16K tokens: IMAD 27 %, HMMA 3 % of 107M issued).
-template <typename T, int KD>
+// WS: the device's warp width (32 or 64, the host reads it), so the warp count, each warp's
+// tile indices and fragment counts are constants too (with warpSize, a run-time value, every
+// tile loop kept its bounds checks and index arithmetic on this serial path).
+template <typename T, int KD, int WS>
 __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
     const int64_t* __restrict__ offs, int HV, int V, const float* __restrict__ Gbuf,
     const typename Mma<T>::type* __restrict__ Wbuf, const typename Mma<T>::type* __restrict__ Ktbuf,
@@ -926,19 +926,21 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
     M* hm = reinterpret_cast<M*>(smb + L.h);  // [vs][K + 8]
     M* vm = reinterpret_cast<M*>(smb + L.vn);  // [C][vs + 8]
     M* vlo = reinterpret_cast<M*>(smb + L.vlo);  // v' - vm
-    const int warp = threadIdx.x / warpSize, nwarps = blockDim.x / warpSize;
-    const int lane = threadIdx.x % warpSize, tid = threadIdx.x;
+    constexpr int nwarps = kBlock / WS;
+    const int warp = threadIdx.x / WS, lane = threadIdx.x % WS, tid = threadIdx.x;
     float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * kScrWarp;
     constexpr int ldk = pitch16(K), ldv = pitch16(vs);
     const int s = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * vs;
     constexpr int nh = K / 16;  // h tiles (vs = 16: one tile row)
+    // Fragments a warp keeps: h tiles, v' tiles (C / 16 of them).
+    constexpr int kHF = (nh + nwarps - 1) / nwarps, kVF = (C / 16 + nwarps - 1) / nwarps;
     const int64_t state_off = ((int64_t)s * HV + hv) * V * K + (int64_t)v0 * K;
 
-    FragC hf[kHFrags];
+    FragC hf[kHF];
     // h0 through the scratch tile (the user's tensor need not be 32-byte aligned), and the
     // 16-bit copy.
     auto publish = [&](int r, int dt) {
-      frag_out8(hf[r], scr, [&](int i, int c0, const float (&x)[8]) {
+      frag_out8<WS>(hf[r], scr, [&](int i, int c0, const float (&x)[8]) {
         uint4 u;  // 8 16-bit values
         M* y = reinterpret_cast<M*>(&u);
 #pragma unroll
@@ -947,10 +949,10 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
       });
     };
 #pragma unroll
-    for (int r = 0; r < kHFrags; ++r) {
+    for (int r = 0; r < kHF; ++r) {
       const int dt = warp + r * nwarps;
       if (dt < nh) {
-        for (int e = lane; e < 256; e += warpSize)
+        for (int e = lane; e < 256; e += WS)
           scr[e] = h0 != nullptr ? h0[state_off + (int64_t)(e / 16) * K + dt * 16 + e % 16] : 0.f;
         __syncwarp();
         wmma::load_matrix_sync(hf[r], scr, 16, wmma::mem_row_major);
@@ -986,11 +988,11 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
     }
     constexpr int nv = C / 16;  // v' tiles (one column of tiles)
     // U of this warp's v' tiles and G_last, likewise one chunk ahead (un: the next chunk's).
-    FragC un[kVFrags];
+    FragC un[kVF];
     float gn = 0.f;
     auto fetch_u = [&](int64_t ch) {
 #pragma unroll
-      for (int r = 0; r < kVFrags; ++r) {
+      for (int r = 0; r < kVF; ++r) {
         const int ti = warp + r * nwarps;
         if (ti < nv)
           wmma::load_matrix_sync(un[r], Ubuf + (ch * C + ti * 16) * V + v0, V,
@@ -1001,9 +1003,9 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
     if (c_begin < c_end) fetch_u(c_begin * HV + hv);
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int64_t ch = c * HV + hv;
-      FragC vf[kVFrags];
+      FragC vf[kVF];
 #pragma unroll
-      for (int r = 0; r < kVFrags; ++r) vf[r] = un[r];
+      for (int r = 0; r < kVF; ++r) vf[r] = un[r];
       const float eg = expf(gn);
       if (c + 1 < c_end) fetch_u(ch + HV);
       __syncthreads();  // previous chunk done: buffers free, hm final
@@ -1011,7 +1013,7 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
       spill(kb, stk);
       {                 // the 16-bit state entering this chunk, for the output pass
         M* ho = Hbuf + ch * (int64_t)V * K + (int64_t)v0 * K;
-        for (int e = tid; e < vs * K / 8; e += blockDim.x) {
+        for (int e = tid; e < vs * K / 8; e += kBlock) {
           const int row = e / (K / 8), col = (e % (K / 8)) * 8;
           *reinterpret_cast<uint4*>(ho + row * K + col) =
               *reinterpret_cast<const uint4*>(hm + row * ldk + col);
@@ -1025,7 +1027,7 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
 
       // v' = U - W h^T: -(-U + W h^T) keeps mma_sync's add.
 #pragma unroll
-      for (int r = 0; r < kVFrags; ++r) {
+      for (int r = 0; r < kVF; ++r) {
         const int ti = warp + r * nwarps;
         if (ti < nv) {
           // Two accumulators (even / odd K tiles) halve the chain of dependent mma_syncs
@@ -1043,7 +1045,7 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
           }
           for (int e = 0; e < vf[r].num_elements; ++e) vf[r].x[e] += odd.x[e];
           M* vo = Vn + (ch * C + ti * 16) * V + v0;
-          frag_out8(vf[r], scr, [&](int i, int c0, const float (&x)[8]) {
+          frag_out8<WS>(vf[r], scr, [&](int i, int c0, const float (&x)[8]) {
             uint4 uh, ul;  // v' (16-bit) and v' - that, 8 values each
             M* yh = reinterpret_cast<M*>(&uh);
             M* yl = reinterpret_cast<M*>(&ul);
@@ -1062,7 +1064,7 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
 
       // h = exp(G_last) h + v'^T K~ (each warp its own tiles; then their 16-bit copies).
 #pragma unroll
-      for (int r = 0; r < kHFrags; ++r) {
+      for (int r = 0; r < kHF; ++r) {
         const int dt = warp + r * nwarps;
         if (dt < nh) {
           FragC lo;  // the v'_lo products, a second (independent) accumulator
@@ -1086,7 +1088,7 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
       }
     }
 #pragma unroll
-    for (int r = 0; r < kHFrags; ++r) {
+    for (int r = 0; r < kHF; ++r) {
       const int dt = warp + r * nwarps;
       if (dt < nh)
         wmma::store_matrix_sync(final_state + state_off + dt * 16, hf[r], K,
@@ -1322,9 +1324,14 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           Gb.data_ptr<float>(), m16(Wb), m16(Kt), Ub.data_ptr<float>(), m16(Vn), m16(Hb), h0p,
           fin.data_ptr<float>());
     };
-    if (K == 128) state_pass(gdn_chunk_state_mma_kernel<T, 128>);
-    else if (K == 64) state_pass(gdn_chunk_state_mma_kernel<T, 64>);
-    else state_pass(gdn_chunk_state_mma_kernel<T, 32>);
+    const int ws = VO_WARP_SIZE(q);
+    TORCH_CHECK(ws == 32 || ws == 64, "gdn_chunk_prefill: warps of ", ws, " lanes");
+    auto state_ws = [&](auto k32, auto k64) { ws == 64 ? state_pass(k64) : state_pass(k32); };
+    if (K == 128)
+      state_ws(gdn_chunk_state_mma_kernel<T, 128, 32>, gdn_chunk_state_mma_kernel<T, 128, 64>);
+    else if (K == 64)
+      state_ws(gdn_chunk_state_mma_kernel<T, 64, 32>, gdn_chunk_state_mma_kernel<T, 64, 64>);
+    else state_ws(gdn_chunk_state_mma_kernel<T, 32, 32>, gdn_chunk_state_mma_kernel<T, 32, 64>);
     if (slots > 0 && ntok > 0) {
       auto output = [&](auto kernel) {
         // q, k, h and v' all staged: 94 KB for K = V = 128 (two blocks per SM on an H200).

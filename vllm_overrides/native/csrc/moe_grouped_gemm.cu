@@ -18,7 +18,8 @@
 // carry weight rows only.
 //
 // The block has kWarps warps of whatever width the device has (8 x warpSize threads: 256 on
-// NVIDIA, 512 with 64-lane warps); warp w computes rows 32 (w % 4) .. + 31 against weight
+// NVIDIA, 512 with 64-lane warps; the kernel takes the width as a template constant, WS, that
+// the host reads from the device); warp w computes rows 32 (w % 4) .. + 31 against weight
 // rows 32 (w / 4) .. + 31 of each 64-row half, 2 x 4 accumulator tiles. The grid's x is
 // (tile, run of column blocks) pairs with the run fastest, so the blocks sharing an A tile
 // and those sharing an expert's weights run together; tiles past the last expert's return.
@@ -49,7 +50,6 @@ struct Stage {
   static constexpr int kARows = kResA ? 0 : kTM;
   static constexpr int kElems = (kARows + kTN) * kLdS;
   static constexpr int kVecs = (kARows + kTN) * kTK / 8;   // 16-byte vectors: A rows, then B
-  static constexpr int kPerThread = kVecs / (kWarps * 32);  // 32: the narrowest warp
 };
 
 // Shared memory of a launch, in bytes: two stages, and with A resident its [kTM, K + 8] tile and
@@ -71,7 +71,9 @@ using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, M, wmma::col_major>;
 // kResA (down, K <= kResMaxK): the tile's A rows are loaded once, whole K, and stay in shared
 // memory while the block walks its column blocks; the stages then carry B alone, so each
 // column block re-reads only its weights (A was re-read once per column block).
-template <typename T, bool kGather, bool kAct, bool kWalk, bool kResA>
+// WS: the device's warp width (32 or 64, read by the host), so the thread count, each thread's
+// share of a stage and which of its vectors are A or B rows are constants.
+template <typename T, bool kGather, bool kAct, bool kWalk, bool kResA, int WS>
 __global__ void
 #ifndef VO_CPU_EMULATION
 __launch_bounds__(kWarps * 64)  // 64-lane warps at most: <= 128 registers on NVIDIA's 256
@@ -85,15 +87,17 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
   } else {
     using M = typename Mma<T>::type;
     using S = Stage<kResA>;
-    constexpr int kStageElems = S::kElems, kARows = S::kARows, kPer = S::kPerThread;
+    constexpr int nthreads = kWarps * WS;
+    constexpr int kStageElems = S::kElems, kARows = S::kARows;
+    constexpr int kPer = (S::kVecs + nthreads - 1) / nthreads;
     VO_MMA_SMEM(smb);
     M* stage = reinterpret_cast<M*>(smb);  // [2][kARows + kTN][kLdS]
     // With kResA: then A [kTM][K + 8] (rows shift banks by 16 bytes), then the scratch.
     M* res = stage + 2 * kStageElems;
     const int lda = K + 8;
     float* scratch = reinterpret_cast<float*>(res + (kResA ? kTM * lda : 0));
-    const int tid = threadIdx.x, nthreads = blockDim.x;
-    const int warp = tid / warpSize, lane = tid % warpSize;
+    const int tid = threadIdx.x;
+    const int warp = tid / WS, lane = tid % WS;
     const int runs = (col_blocks + run - 1) / run;
     const int tile = blockIdx.x / runs, cb0 = (blockIdx.x % runs) * run;
     if (tile >= tile_starts[E]) return;
@@ -180,7 +184,7 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
           wmma::store_matrix_sync(scr, acc[i][j], ldc, wmma::mem_row_major);
           if (kAct) wmma::store_matrix_sync(scr + 256, acc[i][j + 2], 16, wmma::mem_row_major);
           __syncwarp();
-          for (int u = lane; u < 32; u += warpSize) {
+          for (int u = lane; u < 32; u += WS) {
             const int r = u / 2, c8 = (u % 2) * 8;
             if (rt + r < rows) {
               const int q = r0 + rt + r;
@@ -331,20 +335,23 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
   run = std::min(run, col_blocks);
   const int64_t runs = (col_blocks + run - 1) / run;
   TORCH_CHECK(tiles * runs < (int64_t{1} << 31), "moe_grouped_gemm: grid too large");
-  const int threads = kWarps * VO_WARP_SIZE(a);
+  const int wsz = VO_WARP_SIZE(a);
+  TORCH_CHECK(wsz == 32 || wsz == 64, "moe_grouped_gemm: warps of ", wsz, " lanes");
+  const int threads = kWarps * wsz;
   // A device that grants a block less than the resident tile needs keeps down on the streamed
   // path (40 KB) instead of losing the kernel to the per-expert loop.
   const bool res_a =
       !gather && K <= kResMaxK && static_cast<int64_t>(smem_bytes(true, K)) <= VO_SMEM_OPTIN(a);
   const size_t smem = smem_bytes(res_a, K);
-  auto launch = [&](auto* tag) {
+  auto launch = [&](auto* tag, auto width) {
     using S = std::remove_pointer_t<decltype(tag)>;
-    auto* kernel = gather ? (run > 1 ? &moe_grouped_gemm_kernel<S, true, true, true, false>
-                                     : &moe_grouped_gemm_kernel<S, true, true, false, false>)
-                 : res_a  ? (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, true>
-                                     : &moe_grouped_gemm_kernel<S, false, false, false, true>)
-                          : (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, false>
-                                     : &moe_grouped_gemm_kernel<S, false, false, false, false>);
+    constexpr int W = decltype(width)::value;
+    auto* kernel = gather ? (run > 1 ? &moe_grouped_gemm_kernel<S, true, true, true, false, W>
+                                     : &moe_grouped_gemm_kernel<S, true, true, false, false, W>)
+                 : res_a  ? (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, true, W>
+                                     : &moe_grouped_gemm_kernel<S, false, false, false, true, W>)
+                          : (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, false, W>
+                                     : &moe_grouped_gemm_kernel<S, false, false, false, false, W>);
     VO_SMEM_OPT_IN(kernel, smem);
     VO_LAUNCH(kernel, static_cast<unsigned>(tiles * runs), threads, smem,
         a.data_ptr<S>(), a.stride(0), gather ? src->data_ptr<int>() : nullptr, w.data_ptr<S>(),
@@ -352,9 +359,13 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
         static_cast<int>(E), gather ? ws->data_ptr<float>() : nullptr,
         static_cast<int>(col_blocks), static_cast<int>(run), out.data_ptr<S>(), out.stride(0));
   };
+  auto by_width = [&](auto* tag) {
+    if (wsz == 64) launch(tag, std::integral_constant<int, 64>{});
+    else launch(tag, std::integral_constant<int, 32>{});
+  };
   AT_DISPATCH_SWITCH(a.scalar_type(), "moe_grouped_gemm",
-      AT_DISPATCH_CASE(at::ScalarType::Half, [&] { launch(static_cast<scalar_t*>(nullptr)); })
-      AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { launch(static_cast<scalar_t*>(nullptr)); }));
+      AT_DISPATCH_CASE(at::ScalarType::Half, [&] { by_width(static_cast<scalar_t*>(nullptr)); })
+      AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { by_width(static_cast<scalar_t*>(nullptr)); }));
   return out;
 }
 
