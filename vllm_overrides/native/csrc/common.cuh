@@ -64,6 +64,17 @@ namespace {
                          AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__) \
                              AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
 
+// For kernels templated on the warp width: f(std::integral_constant<int, 32 or 64>) with the
+// width of t's device. Other widths raise here, before any launch (the Python callers answer
+// a refused launch with their PyTorch / library path).
+template <typename F>
+void with_warp_width(const at::Tensor& t, const char* op, F&& f) {
+  const int ws = VO_WARP_SIZE(t);
+  TORCH_CHECK(ws == 32 || ws == 64, op, ": warps of ", ws, " lanes");
+  if (ws == 64) f(std::integral_constant<int, 64>{});
+  else f(std::integral_constant<int, 32>{});
+}
+
 #ifndef VO_BLOCK_THREADS
 #define VO_BLOCK_THREADS 256
 #endif

@@ -1324,14 +1324,12 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           Gb.data_ptr<float>(), m16(Wb), m16(Kt), Ub.data_ptr<float>(), m16(Vn), m16(Hb), h0p,
           fin.data_ptr<float>());
     };
-    const int ws = VO_WARP_SIZE(q);
-    TORCH_CHECK(ws == 32 || ws == 64, "gdn_chunk_prefill: warps of ", ws, " lanes");
-    auto state_ws = [&](auto k32, auto k64) { ws == 64 ? state_pass(k64) : state_pass(k32); };
-    if (K == 128)
-      state_ws(gdn_chunk_state_mma_kernel<T, 128, 32>, gdn_chunk_state_mma_kernel<T, 128, 64>);
-    else if (K == 64)
-      state_ws(gdn_chunk_state_mma_kernel<T, 64, 32>, gdn_chunk_state_mma_kernel<T, 64, 64>);
-    else state_ws(gdn_chunk_state_mma_kernel<T, 32, 32>, gdn_chunk_state_mma_kernel<T, 32, 64>);
+    with_warp_width(q, "gdn_chunk_prefill", [&](auto width) {
+      constexpr int W = decltype(width)::value;
+      if (K == 128) state_pass(gdn_chunk_state_mma_kernel<T, 128, W>);
+      else if (K == 64) state_pass(gdn_chunk_state_mma_kernel<T, 64, W>);
+      else state_pass(gdn_chunk_state_mma_kernel<T, 32, W>);
+    });
     if (slots > 0 && ntok > 0) {
       auto output = [&](auto kernel) {
         // q, k, h and v' all staged: 94 KB for K = V = 128 (two blocks per SM on an H200).

@@ -335,9 +335,6 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
   run = std::min(run, col_blocks);
   const int64_t runs = (col_blocks + run - 1) / run;
   TORCH_CHECK(tiles * runs < (int64_t{1} << 31), "moe_grouped_gemm: grid too large");
-  const int wsz = VO_WARP_SIZE(a);
-  TORCH_CHECK(wsz == 32 || wsz == 64, "moe_grouped_gemm: warps of ", wsz, " lanes");
-  const int threads = kWarps * wsz;
   // A device that grants a block less than the resident tile needs keeps down on the streamed
   // path (40 KB) instead of losing the kernel to the per-expert loop.
   const bool res_a =
@@ -346,6 +343,7 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
   auto launch = [&](auto* tag, auto width) {
     using S = std::remove_pointer_t<decltype(tag)>;
     constexpr int W = decltype(width)::value;
+    constexpr int threads = kWarps * W;
     auto* kernel = gather ? (run > 1 ? &moe_grouped_gemm_kernel<S, true, true, true, false, W>
                                      : &moe_grouped_gemm_kernel<S, true, true, false, false, W>)
                  : res_a  ? (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, true, W>
@@ -360,8 +358,7 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
         static_cast<int>(col_blocks), static_cast<int>(run), out.data_ptr<S>(), out.stride(0));
   };
   auto by_width = [&](auto* tag) {
-    if (wsz == 64) launch(tag, std::integral_constant<int, 64>{});
-    else launch(tag, std::integral_constant<int, 32>{});
+    with_warp_width(a, "moe_grouped_gemm", [&](auto width) { launch(tag, width); });
   };
   AT_DISPATCH_SWITCH(a.scalar_type(), "moe_grouped_gemm",
       AT_DISPATCH_CASE(at::ScalarType::Half, [&] { by_width(static_cast<scalar_t*>(nullptr)); })
