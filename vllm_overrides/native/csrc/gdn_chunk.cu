@@ -38,8 +38,9 @@
 //   16x16 float scratch tile for per-row scaling and dtype conversion (the fragment's
 //   element -> (row, col) map is unspecified; the output pass scales instead by an accumulator
 //   fragment loaded from a tile of its row factors). Tiles are handed to warps in loops over
-//   blockDim / warpSize warps (the state pass takes the width as a template constant that the
-//   host reads from the device), so any warp width works (wmma is warp-collective).
+//   kBlock / WS warps (the three tensor-core kernels take the warp width WS as a template
+//   constant that the host reads from the device), so any warp width works (wmma is
+//   warp-collective).
 // * float32: float32 FMA loops over shared-memory tiles (16-bit operands would miss float32
 //   accuracy), in which a thread keeps one output column for several rows in registers, so
 //   each operand element it loads feeds several FMAs (the other operand is a broadcast);
@@ -731,7 +732,7 @@ __device__ __forceinline__ void tri_inverse_blocked(float* At, int lda) {
 // staging loops' row / column splits into shifts and let the tile loops unroll (the state
 // pass's instruction count halved, below).
 constexpr int kDimsFixed = 128;
-template <typename T, int KD, int VD>
+template <typename T, int KD, int VD, int WS>
 __global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
     const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ g,
     const float* __restrict__ beta, const int64_t* __restrict__ cu,
@@ -755,7 +756,8 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
     float* At = reinterpret_cast<float*>(smb + L.a);
     M* Thi = reinterpret_cast<M*>(smb + L.a);
     M* Tlo = Thi + C * pitch16(C);
-    const int warp = threadIdx.x / warpSize, nwarps = blockDim.x / warpSize;
+    constexpr int nwarps = kBlock / WS;  // WS: as the state pass's (below)
+    const int warp = threadIdx.x / WS;
     float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * kScrWarp;
     const int lda = kLdA, ldx = pitch16(K > V ? K : V), ldt = pitch16(C);
     const int64_t c = blockIdx.x;
@@ -863,7 +865,7 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_prep_mma_kernel(
     };
     M* wo = Wout + ch * (int64_t)C * K;
     apply(K, [&](int ti, int tj, const FragC& acc) {
-      frag_out8(acc, scr, [&](int r, int c0, const float (&x)[8]) {
+      frag_out8<WS>(acc, scr, [&](int r, int c0, const float (&x)[8]) {
         uint4 o;
         M* ov = reinterpret_cast<M*>(&o);
 #pragma unroll
@@ -1111,7 +1113,7 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_mma_kernel(
 // Output tiles leave through frag_out8 as 16-byte stores.
 constexpr int kSFrags = (10 + kBlock / 64 - 1) / (kBlock / 64);  // lower S tiles per warp
 
-template <typename T, int KD, int VD>
+template <typename T, int KD, int VD, int WS>
 __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const int64_t* __restrict__ cu,
     const int64_t* __restrict__ offs, int N, int H, int HV, int K_, int V_, float scale, bool l2,
@@ -1134,7 +1136,8 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
     M* Sm = reinterpret_cast<M*>(smb + L.s);  // over ks once S is in registers
     M* hs = reinterpret_cast<M*>(smb + L.h);
     M* vs = reinterpret_cast<M*>(smb + L.vn);
-    const int warp = threadIdx.x / warpSize, nwarps = blockDim.x / warpSize;
+    constexpr int nwarps = kBlock / WS;  // WS: as the state pass's (below)
+    const int warp = threadIdx.x / WS;
     float* scr = reinterpret_cast<float*>(smb + L.scratch) + warp * kScrWarp;
     const int ldk = pitch16(K), lds = pitch16(C), ldv = pitch16(V);
     const int64_t c = blockIdx.x;
@@ -1193,7 +1196,7 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
       while ((ti + 1) * (ti + 2) / 2 <= t) ++ti;
       const int tj = t - ti * (ti + 1) / 2;
       if (t < 10 && ti * 16 < len) {
-        frag_out8(sf[r], scr, [&](int a, int b0, const float (&x)[8]) {
+        frag_out8<WS>(sf[r], scr, [&](int a, int b0, const float (&x)[8]) {
           const int i = ti * 16 + a, j0 = tj * 16 + b0;
           uint4 u;  // 8 16-bit values of S row i
           M* y = reinterpret_cast<M*>(&u);
@@ -1251,7 +1254,7 @@ __global__ void VO_GDN_BOUNDS2 gdn_chunk_output_mma_kernel(
             wmma::mma_sync(acc, sa[m], b, acc);
           }
         }
-        frag_out8(acc, scr, [&](int a, int c0, const float (&x)[8]) {
+        frag_out8<WS>(acc, scr, [&](int a, int c0, const float (&x)[8]) {
           const int i = ti * 16 + a;
           if (i < len) store_vec(op + i * so + tj * 16 + c0, x);
         });
@@ -1315,8 +1318,11 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             g.data_ptr<float>(), beta.data_ptr<float>(), cup, offp, N, H, HV, K, V, l2norm,
             Gb.data_ptr<float>(), m16(Wb), Ub.data_ptr<float>(), m16(Kt));
       };
-      if (fixed) prep(gdn_chunk_prep_mma_kernel<T, kDimsFixed, kDimsFixed>);
-      else prep(gdn_chunk_prep_mma_kernel<T, 0, 0>);
+      with_warp_width(q, "gdn_chunk_prefill", [&](auto width) {
+        constexpr int W = decltype(width)::value;
+        if (fixed) prep(gdn_chunk_prep_mma_kernel<T, kDimsFixed, kDimsFixed, W>);
+        else prep(gdn_chunk_prep_mma_kernel<T, 0, 0, W>);
+      });
     }
     auto state_pass = [&](auto kernel) {
       VO_SMEM_OPT_IN(kernel, lb.total);  // W and K~ both resident: 56 KB for K = 128
@@ -1338,8 +1344,11 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             cup, offp, N, H, HV, K, V, static_cast<float>(scale), l2norm, Gb.data_ptr<float>(),
             m16(Vn), m16(Hb), out.data_ptr<T>());
       };
-      if (fixed) output(gdn_chunk_output_mma_kernel<T, kDimsFixed, kDimsFixed>);
-      else output(gdn_chunk_output_mma_kernel<T, 0, 0>);
+      with_warp_width(q, "gdn_chunk_prefill", [&](auto width) {
+        constexpr int W = decltype(width)::value;
+        if (fixed) output(gdn_chunk_output_mma_kernel<T, kDimsFixed, kDimsFixed, W>);
+        else output(gdn_chunk_output_mma_kernel<T, 0, 0, W>);
+      });
     }
   }
 }
