@@ -1311,45 +1311,41 @@ void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const StateLayout lb(K, kMmaVs);
     const OutLayout lc(K, V);
     const bool fixed = K == kDimsFixed && V == kDimsFixed;
-    if (slots > 0 && ntok > 0) {
-      auto prep = [&](auto kernel) {
-        VO_SMEM_OPT_IN(kernel, la.total);  // 48.25 KB for K = V = 128
-        VO_LAUNCH(kernel, dim3(slots, HV), kBlock, la.total, k.data_ptr<T>(), v.data_ptr<T>(),
-            g.data_ptr<float>(), beta.data_ptr<float>(), cup, offp, N, H, HV, K, V, l2norm,
-            Gb.data_ptr<float>(), m16(Wb), Ub.data_ptr<float>(), m16(Kt));
-      };
-      with_warp_width(q, "gdn_chunk_prefill", [&](auto width) {
-        constexpr int W = decltype(width)::value;
-        if (fixed) prep(gdn_chunk_prep_mma_kernel<T, kDimsFixed, kDimsFixed, W>);
-        else prep(gdn_chunk_prep_mma_kernel<T, 0, 0, W>);
-      });
-    }
+    const bool chunks = slots > 0 && ntok > 0;  // else only the state pass (h0 -> final)
+    auto prep = [&](auto kernel) {
+      VO_SMEM_OPT_IN(kernel, la.total);  // 48.25 KB for K = V = 128
+      VO_LAUNCH(kernel, dim3(slots, HV), kBlock, la.total, k.data_ptr<T>(), v.data_ptr<T>(),
+          g.data_ptr<float>(), beta.data_ptr<float>(), cup, offp, N, H, HV, K, V, l2norm,
+          Gb.data_ptr<float>(), m16(Wb), Ub.data_ptr<float>(), m16(Kt));
+    };
     auto state_pass = [&](auto kernel) {
       VO_SMEM_OPT_IN(kernel, lb.total);  // W and K~ both resident: 56 KB for K = 128
       VO_LAUNCH(kernel, dim3(N, HV, V / kMmaVs), kBlock, lb.total, offp, HV, V,
           Gb.data_ptr<float>(), m16(Wb), m16(Kt), Ub.data_ptr<float>(), m16(Vn), m16(Hb), h0p,
           fin.data_ptr<float>());
     };
+    auto output = [&](auto kernel) {
+      // q, k, h and v' all staged: 94 KB for K = V = 128 (two blocks per SM on an H200).
+      VO_SMEM_OPT_IN(kernel, lc.total);
+      VO_LAUNCH(kernel, dim3(slots, HV), kBlock, lc.total, q.data_ptr<T>(), k.data_ptr<T>(),
+          cup, offp, N, H, HV, K, V, static_cast<float>(scale), l2norm, Gb.data_ptr<float>(),
+          m16(Vn), m16(Hb), out.data_ptr<T>());
+    };
+    // All three kernels take the device's warp width as a template constant: one dispatch.
     with_warp_width(q, "gdn_chunk_prefill", [&](auto width) {
       constexpr int W = decltype(width)::value;
+      if (chunks) {
+        if (fixed) prep(gdn_chunk_prep_mma_kernel<T, kDimsFixed, kDimsFixed, W>);
+        else prep(gdn_chunk_prep_mma_kernel<T, 0, 0, W>);
+      }
       if (K == 128) state_pass(gdn_chunk_state_mma_kernel<T, 128, W>);
       else if (K == 64) state_pass(gdn_chunk_state_mma_kernel<T, 64, W>);
       else state_pass(gdn_chunk_state_mma_kernel<T, 32, W>);
-    });
-    if (slots > 0 && ntok > 0) {
-      auto output = [&](auto kernel) {
-        // q, k, h and v' all staged: 94 KB for K = V = 128 (two blocks per SM on an H200).
-        VO_SMEM_OPT_IN(kernel, lc.total);
-        VO_LAUNCH(kernel, dim3(slots, HV), kBlock, lc.total, q.data_ptr<T>(), k.data_ptr<T>(),
-            cup, offp, N, H, HV, K, V, static_cast<float>(scale), l2norm, Gb.data_ptr<float>(),
-            m16(Vn), m16(Hb), out.data_ptr<T>());
-      };
-      with_warp_width(q, "gdn_chunk_prefill", [&](auto width) {
-        constexpr int W = decltype(width)::value;
+      if (chunks) {
         if (fixed) output(gdn_chunk_output_mma_kernel<T, kDimsFixed, kDimsFixed, W>);
         else output(gdn_chunk_output_mma_kernel<T, 0, 0, W>);
-      });
-    }
+      }
+    });
   }
 }
 
