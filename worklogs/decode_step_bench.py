@@ -1088,24 +1088,43 @@ def replay_lengths() -> dict[str, Any]:
                 f"{REPLAY_SIM.name})", "summary": REPLAY_PLATFORM}  # fmt: skip
 
 
-def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any]) -> dict[str, Any]:
-    """TTFT (prefill time only) of the replay's prompts from the fresh-prompt rows of the
-    best-measured variant: per-token cost ``a`` and attention cost ``b`` per causal pair fitted
-    to ``t(T) = a T + b T^2 / 2`` (least squares; ``b >= 0``); a request with ``C`` cached and
-    ``N`` new tokens takes ``a N + b (N C + N^2 / 2)``."""
+# The variants whose kernels the card can run, the engine's own first: it has no Triton, so
+# FLA's kernels never serve there, however fast they are here.
+CARD_VARIANTS = ("cuda", "torch")
+
+
+def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """TTFT (prefill time only) of the replay's prompts from the fresh-prompt rows of the first
+    of :data:`CARD_VARIANTS` measured: per-token cost ``a`` and attention cost ``b`` per causal
+    pair fitted to ``t(T) = a T + b T^2 / 2`` (least squares; ``b >= 0``); a request with ``C``
+    cached and ``N`` new tokens takes ``a N + b (N C + N^2 / 2)``. ``caveats`` says where the
+    rows are not the card's path (its dtype, its MoE GEMMs) or the fit is short of lengths."""
     from perf_metrics import fit_prefill_cost, percentile, prefill_seconds
 
     fresh = [r for r in rows if r.get("mode") == "fresh" and "ms" in r and "target" in r]
     by_v: dict[str, list[dict[str, Any]]] = {}
     for r in fresh:
         by_v.setdefault(r["variant"], []).append(r)
-    if not by_v:
-        return {"error": "no fresh-prompt row measured"}
-    # the variant with the best tokens/s at the longest length it measured
-    variant = max(by_v, key=lambda v: max(by_v[v], key=lambda r: r["tokens"])["tokens_per_s"])
+    variant = next((v for v in CARD_VARIANTS if v in by_v), None)
+    if variant is None:
+        return {"error": "no fresh-prompt row of a variant the card runs ("
+                + ", ".join(CARD_VARIANTS) + "; fla needs Triton, which the card lacks)"}
     pts = by_v[variant]
+    ours = any("moe_grouped_gemm" in r.get("fused_ops_used", ()) for r in pts)
+    caveats = []
+    if dtype != "float16":
+        caveats.append(f"measured in {dtype}; the card runs float16")
+    if variant == "cuda" and not ours:
+        caveats.append("MoE GEMMs by a library here (torch._grouped_mm or one mm an expert); "
+                       "the card's torch 2.1 has no _grouped_mm, so ours serve there "
+                       "(MOE_PREFILL_GEMM=wmma measures them)")  # fmt: skip
+    if len({r["tokens"] for r in pts}) < 2:
+        caveats.append("one prompt length measured: attention's quadratic term is not fitted "
+                       "(b = 0), so long prompts read too fast")  # fmt: skip
     out: dict[str, Any] = {
-        "variant": variant, "card": card, "model": {},
+        "variant": variant, "dtype": dtype,
+        "moe_gemms": "ours (moe_grouped_gemm)" if ours else "library",
+        "caveats": caveats, "card": card, "model": {},
         "gate_ttft_p90_s": 5.0,  # PLATFORM.md, "Score": TTFT P90 <= 5 s
         "left_out": "the TP4 all-reduces (81 per step; the card's link speed is not known), "
         "chunked scheduling (mnbt 8192: every further chunk re-reads the ~16.2 GB of weights, "
@@ -1206,9 +1225,10 @@ def render_prefill(results: dict[str, Any]) -> str:
         )
     tt = results.get("ttft")
     if tt and "error" not in tt:
-        lines.append(f"TTFT paper estimate (prefill only; variant {tt['variant']}; lengths: "
-                     f"{tt['lengths_source']}; gate: P90 <= {tt['gate_ttft_p90_s']} s; left "
-                     f"out: {tt['left_out']}):")  # fmt: skip
+        lines.append(f"TTFT paper estimate (prefill only; variant {tt['variant']}, {tt['dtype']}, "
+                     f"MoE GEMMs {tt['moe_gemms']}; lengths: {tt['lengths_source']}; gate: P90 "
+                     f"<= {tt['gate_ttft_p90_s']} s; left out: {tt['left_out']}):")  # fmt: skip
+        lines += [f"  caveat: {c}" for c in tt["caveats"]]
         for where in ("measured", "target"):
             mdl = tt["model"][where]
             lines.append(f"  {where}: t = {mdl['a_s_per_token'] * 1e6:.2f} us/token x N + "
@@ -1301,7 +1321,7 @@ def main_prefill(args: argparse.Namespace, s: Shapes, dev: torch.device, t0: flo
         brief = {k: row[k] for k in ("tokens", "cached", "variant", "ms", "tokens_per_s",
                                      "ms_over_floor", "skipped", "error") if k in row}  # fmt: skip
         log(json.dumps(brief)[:400])
-        results["ttft"] = ttft_estimate(results["cases"], card)
+        results["ttft"] = ttft_estimate(results["cases"], card, args.dtype)
         results["target_step"] = {  # issue 15: whole prefill step at 16K <= 2.5x its floor
             "tokens": target_T,
             "max_ms_over_floor": 2.5,

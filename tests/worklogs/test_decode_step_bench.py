@@ -179,3 +179,34 @@ def test_prefill_step_bench_smoke(tmp_path: Path) -> None:
     assert table.splitlines()[0].startswith("prefill step")
     assert "issue 15 target, fresh step of 128 tokens" in table
     assert "BI-V100" in table and "PLATFORM.md" in table and "TTFT" in table
+
+
+def test_ttft_estimate_takes_the_cards_path() -> None:
+    """The paper TTFT comes from a variant the card can run (never FLA's Triton kernels, however
+    fast here), and says where its rows are not the card's path or its fit is short of lengths."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import decode_step_bench as bench
+
+    def row(variant: str, tokens: int, ms: float, used: tuple[str, ...] = ()) -> dict:
+        return {"mode": "fresh", "variant": variant, "tokens": tokens, "ms": ms,
+                "tokens_per_s": tokens * 1e3 / ms, "target": {"ms": 7 * ms},
+                "fused_ops_used": list(used)}  # fmt: skip
+
+    card = dict(bench.TARGET_CARD)
+    rows = [row("fla", 16384, 90.0), row("cuda", 16384, 100.0), row("torch", 16384, 300.0)]
+    tt = bench.ttft_estimate(rows, card, "bfloat16")
+    assert tt["variant"] == "cuda" and tt["moe_gemms"] == "library"
+    assert len(tt["caveats"]) == 3, tt["caveats"]  # bf16, library GEMMs, one length
+    assert tt["model"]["measured"]["b_s_per_pair"] == 0
+    assert bench.ttft_estimate(rows[2:], card, "float16")["variant"] == "torch"
+    assert "error" in bench.ttft_estimate(rows[:1], card, "float16")
+
+    ours = ("moe_prefill_with_shared", "moe_grouped_gemm")
+    rows = [row("cuda", 16384, 100.0, ours), row("cuda", 65536, 480.0, ours)]
+    tt = bench.ttft_estimate(rows, card, "float16")
+    assert tt["caveats"] == [] and tt["moe_gemms"].startswith("ours")
+    mdl = tt["model"]["measured"]
+    assert mdl["b_s_per_pair"] > 0  # 64K costs more than 4 x 16K: attention's quadratic term
+    for T, ms in ((16384, 100.0), (65536, 480.0)):
+        assert math.isclose(mdl["a_s_per_token"] * T + mdl["b_s_per_pair"] * T * T / 2, ms / 1e3)
+    assert tt["target"]["ttft_cold_s"]["p90"] > tt["measured"]["ttft_cold_s"]["p90"]
