@@ -90,9 +90,11 @@ _mode = os.environ.get("NATIVE_KERNELS", "auto").strip().lower() or "auto"
 # tensor-core version beats it (worklogs/LEDGER.md, issue 15), but no target card has run it.
 GDN_CHUNK_FUSED = os.environ.get("GDN_CHUNK_KERNEL", "torch").strip().lower() == "fused"
 # The routed experts' GEMMs in MoE prefill when the caller says "auto": torch._grouped_mm where
-# the device has it (on the H200 it beats our own: LEDGER, issue 15), else our grouped GEMMs
-# (csrc/moe_grouped_gemm.cu) where they fit -- the target's torch 2.1 has no _grouped_mm, and
-# the alternative, one GEMM per expert after a host sync, is ~8x slower -- else that loop.
+# the device has it (on the H200 it beats our own in bf16: LEDGER, issue 15), else our grouped
+# GEMMs (csrc/moe_grouped_gemm.cu) where they fit -- the target's torch 2.1 has no _grouped_mm,
+# and the alternative, one GEMM per expert after a host sync, is ~8x slower -- else that loop.
+# fp16 takes ours even where _grouped_mm runs: torch 2.11 runs fp16 through a GEMM per group,
+# a 16K prefill step 4.3x slower than ours on the H200 (LEDGER, session of 2026-12-05 18:29).
 # MOE_PREFILL_GEMM=grouped|loop|wmma forces one (the benchmarks' A/B switch).
 MOE_PREFILL_GEMM = os.environ.get("MOE_PREFILL_GEMM", "auto").strip().lower() or "auto"
 if MOE_PREFILL_GEMM not in ("auto", "grouped", "loop", "wmma"):
@@ -668,7 +670,8 @@ def moe_prefill(
         w13: ``[E, 2I, H]``; w2: ``[E, H, I]`` (vLLM's layouts, read in place).
         shared: ``(gate_up [2Is, H], down [H, Is], gate [1, H] or None)``.
         method: ``"grouped"``, ``"loop"``, ``"wmma"`` or ``"auto"`` (:data:`MOE_PREFILL_GEMM`
-            if set, else grouped where it runs, else wmma where it fits, else loop).
+            if set, else grouped where it runs and x is not fp16, else wmma where it fits,
+            else the library's choice).
 
     Returns:
         ``[T, H]`` in ``x.dtype`` (this rank's partial sum, before the all-reduce).
@@ -680,7 +683,8 @@ def moe_prefill(
     if method == "auto":
         method = MOE_PREFILL_GEMM
     if method == "auto":  # see MOE_PREFILL_GEMM
-        method = "wmma" if library == "loop" and wmma_ok else library
+        ours = library == "loop" or x.dtype == torch.float16
+        method = "wmma" if ours and wmma_ok else library
     if method == "wmma" and not wmma_ok:
         method = library
     if fused:
