@@ -270,6 +270,20 @@ def test_grouped_gemm_failure_falls_back(kdev: str, monkeypatch: pytest.MonkeyPa
     assert torch.equal(out, kernels.moe_prefill(x, logits, k, True, w13, w2, None, "auto"))
 
 
+def _check_auto_choice(kdev: str, dtype: torch.dtype, want: bool) -> None:
+    """``moe_prefill`` with ``method="auto"`` on a small MoE: whether our grouped GEMMs served
+    is ``want``, and the result matches the float64 reference either way."""
+    E, H, I, k, T = 8, 128, 64, 2, 40  # noqa: E741
+    w13, w2 = _moe_weights(E, H, I, dtype, kdev)
+    x, logits = torch.randn(T, H, device=kdev).to(dtype), torch.randn(T, E, device=kdev)
+    kernels.FUSED_USED.discard("moe_grouped_gemm")
+    out = kernels.moe_prefill(x, logits, k, True, w13, w2)
+    assert ("moe_grouped_gemm" in kernels.FUSED_USED) is want, dtype
+    w, ids = mref.route_reference(logits, k, True)
+    ref = mref.moe_experts_reference(x, w, ids, w13, w2)
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
 @pytest.mark.parametrize("kdev", [pytest.param("emu64", marks=emu)], indirect=True)
 def test_auto_takes_our_grouped_gemms_without_grouped_mm(
     kdev: str, monkeypatch: pytest.MonkeyPatch
@@ -278,16 +292,8 @@ def test_auto_takes_our_grouped_gemms_without_grouped_mm(
     the per-expert loop with its host sync; float32 (no 16-bit tensor-core operands) the loop."""
     monkeypatch.setattr(moe, "grouped_mm_available", lambda *a: False)
     monkeypatch.setattr(kernels, "_grouped_gemm_ok", True)
-    E, H, I, k, T = 8, 128, 64, 2, 40  # noqa: E741
     for dtype, want in ((torch.bfloat16, True), (torch.float32, False)):
-        w13, w2 = _moe_weights(E, H, I, dtype, kdev)
-        x, logits = torch.randn(T, H, device=kdev).to(dtype), torch.randn(T, E, device=kdev)
-        kernels.FUSED_USED.discard("moe_grouped_gemm")
-        out = kernels.moe_prefill(x, logits, k, True, w13, w2)
-        assert ("moe_grouped_gemm" in kernels.FUSED_USED) is want, dtype
-        w, ids = mref.route_reference(logits, k, True)
-        ref = mref.moe_experts_reference(x, w, ids, w13, w2)
-        assert rel_err(out, ref) <= TOL[dtype]
+        _check_auto_choice(kdev, dtype, want)
 
 
 @pytest.mark.parametrize("kdev", [pytest.param("emu64", marks=emu)], indirect=True)
@@ -296,14 +302,6 @@ def test_auto_takes_our_grouped_gemms_for_fp16(kdev: str, monkeypatch: pytest.Mo
     gets our grouped GEMMs -- torch runs fp16 as one GEMM a group, 4.3x slower a step on the
     H200 -- and bf16 the library's."""
     monkeypatch.setattr(kernels, "_grouped_gemm_ok", True)
-    E, H, I, k, T = 8, 128, 64, 2, 40  # noqa: E741
     for dtype, want in ((torch.float16, True), (torch.bfloat16, False)):
         assert moe.grouped_mm_available(kdev, dtype)
-        w13, w2 = _moe_weights(E, H, I, dtype, kdev)
-        x, logits = torch.randn(T, H, device=kdev).to(dtype), torch.randn(T, E, device=kdev)
-        kernels.FUSED_USED.discard("moe_grouped_gemm")
-        out = kernels.moe_prefill(x, logits, k, True, w13, w2)
-        assert ("moe_grouped_gemm" in kernels.FUSED_USED) is want, dtype
-        w, ids = mref.route_reference(logits, k, True)
-        ref = mref.moe_experts_reference(x, w, ids, w13, w2)
-        assert rel_err(out, ref) <= TOL[dtype]
+        _check_auto_choice(kdev, dtype, want)
