@@ -169,6 +169,9 @@ def test_prefill_step_bench_smoke(tmp_path: Path) -> None:
         assert d["prompt_tokens"]["p50"] < d["prompt_tokens"]["p90"] <= d["prompt_tokens"]["p100"]
         assert 0 < d["ttft_cold_s"]["p50"] < d["ttft_cold_s"]["p90"]
         assert d["ttft_with_cache_s"]["p90"] <= d["ttft_cold_s"]["p90"]
+    # the resumed rows against the fresh rows' card model, and the card model fitted to all rows
+    assert [(r["tokens"], r["cached"]) for r in tt["resumed_vs_model"]] == [(128, 64), (192, 64)]
+    assert set(tt["model"]) == {"measured", "target", "target_all_rows"}
 
     tg = res["target_step"]
     assert tg["tokens"] == 128 and set(tg["by_variant"]) == {"torch", "cuda"}
@@ -179,6 +182,7 @@ def test_prefill_step_bench_smoke(tmp_path: Path) -> None:
     assert table.splitlines()[0].startswith("prefill step")
     assert "issue 15 target, fresh step of 128 tokens" in table
     assert "BI-V100" in table and "PLATFORM.md" in table and "TTFT" in table
+    assert "resumed: 192 new after 64 cached" in table and "target_all_rows: t = " in table
 
 
 def test_ttft_estimate_takes_the_cards_path() -> None:
@@ -210,3 +214,22 @@ def test_ttft_estimate_takes_the_cards_path() -> None:
     for T, ms in ((16384, 100.0), (65536, 480.0)):
         assert math.isclose(mdl["a_s_per_token"] * T + mdl["b_s_per_pair"] * T * T / 2, ms / 1e3)
     assert tt["target"]["ttft_cold_s"]["p90"] > tt["measured"]["ttft_cold_s"]["p90"]
+    assert "target_all_rows" not in tt["model"] and tt["resumed_vs_model"] == []
+
+    # A resumed prefill (64K new after 64K cached) at 1.5x what the fresh rows' model says:
+    # reported against that model, and a second card model fitted to all rows, cached included.
+    from perf_metrics import fit_prefill_cost, prefill_seconds
+
+    fit = tt["model"]["target"]
+    model_ms = prefill_seconds(fit["a_s_per_token"], fit["b_s_per_pair"], 65536, 65536) * 1e3
+    resumed = row("cuda", 65536, 1.5 * model_ms / 7, ours) | {"mode": "resume", "cached": 65536}
+    tt2 = bench.ttft_estimate([*rows, resumed], card, "float16")
+    assert tt2["model"]["target"] == fit  # the fresh fit is unchanged
+    (r,) = tt2["resumed_vs_model"]
+    assert (r["tokens"], r["cached"]) == (65536, 65536)
+    assert math.isclose(r["model_ms"], model_ms) and math.isclose(r["over_model"], 1.5)
+    a, b = fit_prefill_cost([16384, 65536, 65536], [0, 0, 65536], [0.7, 3.36, 1.5 * model_ms / 1e3])
+    assert tt2["model"]["target_all_rows"] == {"a_s_per_token": a, "b_s_per_pair": b}
+    # the resumed row pulls the attention term up: long prompts read slower
+    assert b > fit["b_s_per_pair"]
+    assert tt2["target_all_rows"]["ttft_cold_s"]["p99"] > tt2["target"]["ttft_cold_s"]["p99"]
