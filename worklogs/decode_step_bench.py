@@ -1103,7 +1103,10 @@ def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any], dtype: str) 
     with the fresh ones, fitted to a second, pessimistic card model (``target_all_rows``)."""
     from perf_metrics import fit_prefill_cost, percentile, prefill_seconds
 
-    fresh = [r for r in rows if r.get("mode") == "fresh" and "ms" in r and "target" in r]
+    def timed(mode: str) -> list[dict[str, Any]]:  # rows of that mode with here and card ms
+        return [r for r in rows if r.get("mode") == mode and "ms" in r and "target" in r]
+
+    fresh = timed("fresh")
     by_v: dict[str, list[dict[str, Any]]] = {}
     for r in fresh:
         by_v.setdefault(r["variant"], []).append(r)
@@ -1139,8 +1142,7 @@ def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any], dtype: str) 
     # Resumed prefills (cached tokens before the new ones) check the fresh fit's N C term; where
     # there are some, a second card model fitted to every row says what the TTFT would be if
     # their measured cost (attention over the cache, through the bench's SDPA stand-in) held.
-    resumed = [r for r in rows if r.get("mode") == "resume" and r["variant"] == variant
-               and "ms" in r and "target" in r]  # fmt: skip
+    resumed = [r for r in timed("resume") if r["variant"] == variant]
     fits = [("measured", None, pts), ("target", "target", pts)]
     if resumed:
         fits.append(("target_all_rows", "target", pts + resumed))
@@ -1149,13 +1151,6 @@ def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any], dtype: str) 
         t = [(r[key]["ms"] if key else r["ms"]) / 1e3 for r in fit_rows]
         a, b = fit_prefill_cost(T, [r.get("cached", 0) for r in fit_rows], t)
         out["model"][where] = {"a_s_per_token": a, "b_s_per_pair": b}
-        if where == "target":
-            out["resumed_vs_model"] = []
-            for r in resumed:
-                model_ms = prefill_seconds(a, b, r["tokens"], r["cached"]) * 1e3
-                out["resumed_vs_model"].append(
-                    {"tokens": r["tokens"], "cached": r["cached"], "card_ms": r["target"]["ms"],
-                     "model_ms": model_ms, "over_model": r["target"]["ms"] / model_ms})  # fmt: skip
 
         def ttft(n: float, c: float, a: float = a, b: float = b) -> float:
             return prefill_seconds(a, b, n, c)
@@ -1176,6 +1171,14 @@ def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any], dtype: str) 
             res = {"prompt_tokens": sm,
                    "ttft_cold_s": {k: ttft(v, 0) for k, v in sm.items()}}  # fmt: skip
         out[where] = res
+    card_fit = out["model"]["target"]
+    out["resumed_vs_model"] = []
+    for r in resumed:
+        model_ms = prefill_seconds(card_fit["a_s_per_token"], card_fit["b_s_per_pair"],
+                                   r["tokens"], r["cached"]) * 1e3  # fmt: skip
+        out["resumed_vs_model"].append(
+            {"tokens": r["tokens"], "cached": r["cached"], "card_ms": r["target"]["ms"],
+             "model_ms": model_ms, "over_model": r["target"]["ms"] / model_ms})  # fmt: skip
     return out
 
 
