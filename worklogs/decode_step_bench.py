@@ -77,6 +77,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "worklogs"))
 
+import perf_metrics as pm  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from kernel_bench import Timer, log  # noqa: E402
@@ -686,6 +687,8 @@ TARGET_CARD = {
     "no measurement on the card is known)",
     "launch_us": 7.0,
     "launch_us_source": "/work/shared/PLATFORM.md (~7 us per small fused kernel launch, eager)",
+    # What a TP4 prefill adds to one rank's step (all-reduces, chunk re-reads): perf_metrics.
+    **{k: v for k, v in pm.CARD_TP4.items() if k not in ("copy_GBps", "copy_GBps_source")},
     "caveat": "the non-GEMM rest is scaled by copy bandwidth alone: the GDN chunk core's float32 "
     "(TF32 on the H200) GEMMs -- the card has no TF32 -- and kernels tuned for the H200 may "
     "scale worse",
@@ -1100,8 +1103,12 @@ def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any], dtype: str) 
     cached and ``N`` new tokens takes ``a N + b (N C + N^2 / 2)``. ``caveats`` says where the
     rows are not the card's path (its dtype, its MoE GEMMs) or the fit is short of lengths.
     Resumed rows of that variant are set against the card model (``resumed_vs_model``) and,
-    with the fresh ones, fitted to a second, pessimistic card model (``target_all_rows``)."""
+    with the fresh ones, fitted to a second, pessimistic card model (``target_all_rows``).
+    ``tp4`` adds to the card model what one rank's step leaves out (``pm.tp4_overhead_s``) at
+    each of the card's assumed link rates."""
     from perf_metrics import fit_prefill_cost, percentile, prefill_seconds
+
+    card = {**TARGET_CARD, **card}  # a run recorded before a card figure was added takes today's
 
     def timed(mode: str) -> list[dict[str, Any]]:  # rows of that mode with here and card ms
         return [r for r in rows if r.get("mode") == mode and "ms" in r and "target" in r]
@@ -1131,10 +1138,9 @@ def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any], dtype: str) 
         "moe_gemms": "ours (moe_grouped_gemm)" if ours else "library",
         "caveats": caveats, "card": card, "model": {},
         "gate_ttft_p90_s": 5.0,  # PLATFORM.md, "Score": TTFT P90 <= 5 s
-        "left_out": "the TP4 all-reduces (81 per step; the card's link speed is not known), "
-        "chunked scheduling (mnbt 8192: every further chunk re-reads the ~16.2 GB of weights, "
-        "~28 ms at 584 GB/s), the first decode step, queueing (replay concurrency 1), "
-        "the vision tower",
+        "left_out": "from measured/target: the TP4 all-reduces and the chunks' weight re-reads "
+        "(tp4 adds both at the card's assumed link rates); from all: queueing (replay "
+        "concurrency 1), the vision tower",
     }  # fmt: skip
     lens = replay_lengths()
     out["lengths_source"] = lens["source"]
@@ -1172,6 +1178,23 @@ def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any], dtype: str) 
                    "ttft_cold_s": {k: ttft(v, 0) for k, v in sm.items()}}  # fmt: skip
         out[where] = res
     card_fit = out["model"]["target"]
+    if "prompt" in lens:  # the card model (fresh rows) with what one rank's step leaves out
+        chunk, chunk_source = pm.prefill_chunk_tokens()
+        tp4: dict[str, Any] = {"chunk_tokens": chunk, "chunk_source": chunk_source,
+                               "by_link_GBps": {}}  # fmt: skip
+        P, Cc = lens["prompt"], lens["cached"]
+        for g in card["link_GBps"]:
+            def full(n: float, c: float, g: float = g) -> float:
+                a, b = card_fit["a_s_per_token"], card_fit["b_s_per_pair"]
+                return float(prefill_seconds(a, b, n, c) + pm.tp4_overhead_s(n, g, chunk, card))
+
+            cold = [full(p, 0) for p in P]
+            warm = [full(p - c, c) for p, c in zip(P, Cc, strict=True)]
+            tp4["by_link_GBps"][f"{g:g}"] = {
+                "ttft_cold_s": {f"p{q}": percentile(cold, q) for q in qs},
+                "ttft_with_cache_s": {f"p{q}": percentile(warm, q) for q in qs},
+            }  # fmt: skip
+        out["tp4"] = tp4
     out["resumed_vs_model"] = []
     for r in resumed:
         model_ms = prefill_seconds(card_fit["a_s_per_token"], card_fit["b_s_per_pair"],
@@ -1261,6 +1284,22 @@ def render_prefill(results: dict[str, Any]) -> str:
                 vals = ", ".join(f"{k} {_f(v, '.2f' if name.endswith('_s') else '.0f')}"
                                  for k, v in d.items())  # fmt: skip
                 lines.append(f"    {name}: {vals}")
+        if "tp4" in tt:
+            t4, card = tt["tp4"], tt["card"]
+            lines.append(
+                "  tp4 = target + 81 all-reduces of [N, hidden] fp16 (ring over 4 cards at the "
+                f"link rate) + {card['allreduce_latency_us']:.0f} us each a chunk [latency: "
+                f"{card['allreduce_latency_us_source']}] + the rank's {card['weights_GB']} GB of "
+                f"weights re-read every further {t4['chunk_tokens']}-token chunk "
+                f"[{t4['chunk_source']}]; link [{card['link_GBps_source']}]:"
+            )
+            for g, d in t4["by_link_GBps"].items():
+                p90 = d["ttft_with_cache_s"]["p90"]
+                verdict = "met" if p90 <= tt["gate_ttft_p90_s"] else "NOT met"
+                for name, v in d.items():
+                    vals = ", ".join(f"{k} {x:.2f}" for k, x in v.items())
+                    lines.append(f"    link {g} GB/s, {name}: {vals}")
+                lines.append(f"    link {g} GB/s: gate P90 with cache {p90:.2f} s ({verdict})")
     elif tt:
         lines.append(f"TTFT estimate: {tt['error']}")
     notes = [f"note: {n}" for n in m["notes"]]

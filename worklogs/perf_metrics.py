@@ -156,6 +156,59 @@ def prefill_seconds(a: float, b: float, new: Any, cached: Any) -> Any:
     return a * new + b * (new * cached + new * new / 2)
 
 
+# What a TP4 prefill on the target card spends beyond one rank's step (tp4_overhead_s), with
+# where each figure comes from. decode_step_bench.TARGET_CARD carries these too.
+CARD_TP4: dict[str, Any] = {
+    "link_GBps": (8.0, 16.0, 31.5),
+    "link_GBps_source": "assumption: a ring all-reduce's bus bandwidth across the 4 cards. The "
+    "card's launch report (TechPowerUp, via geektopia.es 2021-04-05) gives it a PCIe 4.0 x16 "
+    "interface, 31.5 GB/s a direction raw (the last figure); 16 takes half of that, 8 a quarter "
+    "(peer-to-peer staged through the host). No all-reduce of prefill size is known measured "
+    "on the card",
+    "allreduce_latency_us": 163.0,
+    "allreduce_latency_us_source": "/work/shared/PLATFORM.md (13.2 ms of all-reduce per decode "
+    "token per rank before the peer team's IPC all-reduce, over the step's 81 collectives)",
+    "weights_GB": 16.2,
+    "weights_GB_source": "/work/shared/PLATFORM.md (weights per card at TP4)",
+    "copy_GBps": 584.0,
+    "copy_GBps_source": "/work/shared/PLATFORM.md (measured copy bandwidth)",
+    "hidden": 2048,
+    "layers": 40,
+    "model": "Qwen3.6-35B-A3B (PLATFORM.md)",
+}
+
+
+def prefill_chunk_tokens() -> tuple[int, str]:
+    """The engine's prefill chunk, ``--max-num-batched-tokens`` of computility-run.yaml (the
+    one source of launch arguments), and where it came from."""
+    try:
+        from vllm_overrides.launcher import DEFAULT_CONFIG, get_flag, load_run_config
+
+        mnbt = get_flag(load_run_config(DEFAULT_CONFIG).command, "--max-num-batched-tokens")
+        return int(mnbt), "computility-run.yaml --max-num-batched-tokens"
+    except Exception as exc:  # noqa: BLE001 - a machine without the repo's launcher or PyYAML
+        return 8192, f"8192 assumed ({type(exc).__name__} reading computility-run.yaml)"
+
+
+def tp4_overhead_s(new: Any, link_gbps: float, chunk: int,
+                   card: Mapping[str, Any] = CARD_TP4) -> Any:  # fmt: skip
+    """Seconds a TP4 prefill of ``new`` tokens spends beyond one rank's step (floats or numpy
+    arrays). vLLM runs the all-reduces between the layers' kernels, not beside them: the
+    embedding's and two a layer (attention or GDN output, MoE output), each of ``[new, hidden]``
+    float16 as a ring over 4 ranks (2 (n - 1) / n of its bytes through each rank's link at
+    ``link_gbps``), plus the card's small-message latency for those and the LM head's gather in
+    every chunk. The prefill runs in chunks of ``chunk`` tokens, and every chunk after the first
+    re-reads the rank's weights (a chunk's 8,192 tokens x top-8 reach all 256 experts)."""
+    n = np.asarray(new, dtype=float)
+    chunks = np.maximum(np.ceil(n / chunk), 1)
+    sized = 2 * card["layers"] + 1
+    ring = 2 * (4 - 1) / 4
+    comm = sized * n * card["hidden"] * 2 * ring / (link_gbps * 1e9)
+    latency = chunks * (sized + 1) * card["allreduce_latency_us"] * 1e-6
+    reread = (chunks - 1) * card["weights_GB"] / card["copy_GBps"]
+    return comm + latency + reread
+
+
 def weighted_score(output_tps: float, input_tps: float, cache_tps: float) -> float:
     return output_tps * W_OUTPUT + input_tps * W_INPUT + cache_tps * W_CACHE
 

@@ -183,6 +183,7 @@ def test_prefill_step_bench_smoke(tmp_path: Path) -> None:
     assert "issue 15 target, fresh step of 128 tokens" in table
     assert "BI-V100" in table and "PLATFORM.md" in table and "TTFT" in table
     assert "resumed: 192 new after 64 cached" in table and "target_all_rows: t = " in table
+    assert "tp4 = target + 81 all-reduces" in table and "link 16 GB/s: gate P90 with cache" in table
 
 
 def test_ttft_estimate_takes_the_cards_path() -> None:
@@ -209,16 +210,33 @@ def test_ttft_estimate_takes_the_cards_path() -> None:
     rows = [row("cuda", 16384, 100.0, ours), row("cuda", 65536, 480.0, ours)]
     tt = bench.ttft_estimate(rows, card, "float16")
     assert tt["caveats"] == [] and tt["moe_gemms"].startswith("ours")
-    mdl = tt["model"]["measured"]
+    mdl, mdl_t = tt["model"]["measured"], tt["model"]["target"]
     assert mdl["b_s_per_pair"] > 0  # 64K costs more than 4 x 16K: attention's quadratic term
     for T, ms in ((16384, 100.0), (65536, 480.0)):
         assert math.isclose(mdl["a_s_per_token"] * T + mdl["b_s_per_pair"] * T * T / 2, ms / 1e3)
     assert tt["target"]["ttft_cold_s"]["p90"] > tt["measured"]["ttft_cold_s"]["p90"]
     assert "target_all_rows" not in tt["model"] and tt["resumed_vs_model"] == []
 
+    # tp4: the card model plus the all-reduces and chunk re-reads, at each assumed link rate
+    import perf_metrics as pm
+    from perf_metrics import prefill_seconds
+
+    t4 = tt["tp4"]
+    assert t4["chunk_tokens"] == pm.prefill_chunk_tokens()[0]
+    assert list(t4["by_link_GBps"]) == [f"{g:g}" for g in card["link_GBps"]]
+    lens = bench.replay_lengths()
+    longest = max(lens["prompt"])
+    for g, d in t4["by_link_GBps"].items():  # the cost grows with the prompt: P100 = the longest
+        want = (prefill_seconds(mdl_t["a_s_per_token"], mdl_t["b_s_per_pair"], longest, 0)
+                + pm.tp4_overhead_s(longest, float(g), t4["chunk_tokens"], card))  # fmt: skip
+        assert math.isclose(d["ttft_cold_s"]["p100"], want)
+        assert d["ttft_with_cache_s"]["p90"] > tt["target"]["ttft_with_cache_s"]["p90"]
+    p90 = [d["ttft_with_cache_s"]["p90"] for d in t4["by_link_GBps"].values()]
+    assert p90 == sorted(p90, reverse=True)  # a slower link, a later first token
+
     # A resumed prefill (64K new after 64K cached) at 1.5x what the fresh rows' model says:
     # reported against that model, and a second card model fitted to all rows, cached included.
-    from perf_metrics import fit_prefill_cost, prefill_seconds
+    from perf_metrics import fit_prefill_cost
 
     fit = tt["model"]["target"]
     model_ms = prefill_seconds(fit["a_s_per_token"], fit["b_s_per_pair"], 65536, 65536) * 1e3

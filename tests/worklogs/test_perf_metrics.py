@@ -7,6 +7,7 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -204,3 +205,43 @@ def test_prefill_cost_fit_recovers_the_model_and_falls_back_without_attention() 
     # Times that fall with length would need b < 0: a line through 0 instead.
     fa, fb = pm.fit_prefill_cost([1000, 2000], [0, 0], [1.0, 1.5])
     assert fb == 0.0 and fa == pytest.approx((1000 * 1.0 + 2000 * 1.5) / (1000**2 + 2000**2))
+
+
+def test_tp4_overhead_counts_the_all_reduces_latencies_and_chunk_rereads() -> None:
+    """A TP4 prefill of 16,384 tokens in 8,192-token chunks at 16 GB/s, from the card's figures:
+    81 all-reduces of 16,384 x 2,048 fp16 (64 MiB) each move 1.5 x that through a rank's link
+    (0.5096 s), 82 latencies of 163 us in each of the 2 chunks (0.0267 s), and one weight
+    re-read of 16.2 GB at 584 GB/s (0.0277 s)."""
+    card = pm.CARD_TP4
+    assert (card["hidden"], card["layers"]) == (2048, 40)
+    comm = 81 * 16384 * 2048 * 2 * 1.5 / 16e9
+    assert comm == pytest.approx(0.50961, rel=1e-4)
+    want = comm + 2 * 82 * 163e-6 + 16.2 / 584
+    assert pm.tp4_overhead_s(16384, 16.0, 8192) == pytest.approx(want, rel=1e-12)
+    assert pm.tp4_overhead_s(16384, 16.0, 8192) == pytest.approx(0.5641, rel=1e-3)
+    # one chunk: no re-read; one token more: a second chunk, its latencies and one re-read
+    one = pm.tp4_overhead_s(8192, 16.0, 8192)
+    two = pm.tp4_overhead_s(8193, 16.0, 8192)
+    assert one == pytest.approx(81 * 8192 * 6144 / 16e9 + 82 * 163e-6, rel=1e-12)
+    assert two - one == pytest.approx(81 * 6144 / 16e9 + 82 * 163e-6 + 16.2 / 584, rel=1e-9)
+    # the link's share halves with twice the rate; arrays give the same as floats
+    n = np.array([1000.0, 16384.0])
+    fast, slow = pm.tp4_overhead_s(n, 32.0, 8192), pm.tp4_overhead_s(n, 16.0, 8192)
+    assert (slow - fast) == pytest.approx(81 * n * 6144 / 32e9)
+    assert fast[1] == pytest.approx(pm.tp4_overhead_s(16384, 32.0, 8192))
+
+
+def test_prefill_chunk_tokens_reads_the_launch_yaml(tmp_path: Path, monkeypatch) -> None:
+    from vllm_overrides import launcher
+
+    assert pm.prefill_chunk_tokens()[0] == int(
+        launcher.get_flag(launcher.load_run_config(launcher.DEFAULT_CONFIG).command,
+                          "--max-num-batched-tokens"))  # fmt: skip
+    y = tmp_path / "run.yaml"
+    y.write_text("concurrency: 1\ncommand: [python3, -m, x, --max-num-batched-tokens, '4096']\n"
+                 "env: []\n")  # fmt: skip
+    monkeypatch.setattr(launcher, "DEFAULT_CONFIG", y)
+    assert pm.prefill_chunk_tokens() == (4096, "computility-run.yaml --max-num-batched-tokens")
+    y.write_text("not: [valid\n")
+    chunk, source = pm.prefill_chunk_tokens()
+    assert chunk == 8192 and source.startswith("8192 assumed")

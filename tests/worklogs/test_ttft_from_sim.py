@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "worklogs"))
 
+import perf_metrics as pm  # noqa: E402
 import ttft_from_sim  # noqa: E402
 
 A, B = 5e-5, 2e-9  # s per token, s per causal pair
@@ -43,3 +44,10 @@ def test_fit_recovers_the_cost_model_and_applies_it(tmp_path: Path) -> None:
     warm = sorted(_t(10_000 - r["cached_tokens"], r["cached_tokens"]) for r in recs)
     assert run["ttft_s"]["p50"] == pytest.approx((warm[49] + warm[50]) / 2, rel=1e-6)
     assert run["ttft_cold_s"]["p90"] == pytest.approx(_t(10_000, 0), rel=1e-6)
+    # tp4: each request's TTFT plus its uncached tokens' all-reduces and chunk re-reads
+    chunk = pm.prefill_chunk_tokens()[0]
+    assert set(run["tp4_ttft_s"]) == {f"{g:g}" for g in pm.CARD_TP4["link_GBps"]}
+    full = sorted(_t(10_000 - r["cached_tokens"], r["cached_tokens"])
+                  + pm.tp4_overhead_s(10_000 - r["cached_tokens"], 16.0, chunk) for r in recs)  # fmt: skip
+    assert run["tp4_ttft_s"]["16"]["p50"] == pytest.approx((full[49] + full[50]) / 2, rel=1e-6)
+    assert run["tp4_ttft_s"]["8"]["p90"] > run["tp4_ttft_s"]["16"]["p90"] > run["ttft_s"]["p90"]
