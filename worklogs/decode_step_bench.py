@@ -1287,11 +1287,12 @@ def render_prefill(results: dict[str, Any]) -> str:
         if "tp4" in tt:
             t4, card = tt["tp4"], tt["card"]
             lines.append(
-                "  tp4 = target + 81 all-reduces of [N, hidden] fp16 (ring over 4 cards at the "
-                f"link rate) + {card['allreduce_latency_us']:.0f} us each a chunk [latency: "
-                f"{card['allreduce_latency_us_source']}] + the rank's {card['weights_GB']} GB of "
-                f"weights re-read every further {t4['chunk_tokens']}-token chunk "
-                f"[{t4['chunk_source']}]; link [{card['link_GBps_source']}]:"
+                f"  tp4 = target + {2 * card['layers'] + 1} all-reduces of [N, hidden] fp16 (ring "
+                f"over 4 cards at the link rate) + {card['allreduce_latency_us']:.0f} us each a "
+                f"chunk [latency: {card['allreduce_latency_us_source']}] + the rank's "
+                f"{card['weights_GB']} GB of weights re-read every further "
+                f"{t4['chunk_tokens']}-token chunk [{t4['chunk_source']}]; link "
+                f"[{card['link_GBps_source']}]:"
             )
             for g, d in t4["by_link_GBps"].items():
                 p90 = d["ttft_with_cache_s"]["p90"]

@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         n = p - c
         warm = pm.prefill_seconds(a, b, n, c)
         cold = pm.prefill_seconds(a, b, p, 0.0)
-        tp4 = {f"{g:g}": pm.tp4_overhead_s(n, g, chunk) for g in args.link_gbps}
+        run_chunk = run["config"].get("mnbt", chunk)  # the simulated engine's chunk
+        tp4 = {f"{g:g}": pm.tp4_overhead_s(n, g, run_chunk) for g in args.link_gbps}
         runs.append({
             "config": run["config"],
             "hit": run["hit"],
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "P90", "P99", "cold P90",
                                  *(f"tp4 P90 @{g} GB/s" for g in links))))  # fmt: skip
     print(f"tp4 = TTFT + the TP4 all-reduces at the link rate + weights re-read every further "
-          f"{chunk}-token chunk ({chunk_source}); gate: P90 <= {pm.GATE_TTFT_P90_S:g} s; "
+          f"chunk (each run's mnbt, else {chunk}: {chunk_source}); gate: P90 <= "
+          f"{pm.GATE_TTFT_P90_S:g} s; "
           f"link rates: {pm.CARD_TP4['link_GBps_source']}")  # fmt: skip
     result = {"prefill": str(args.prefill), "sim": str(args.sim), "variant": args.variant,
               "a_s_per_token": a, "b_s_per_pair": b, "card": bench.get("target_card"),

@@ -34,6 +34,8 @@ def test_fit_recovers_the_cost_model_and_applies_it(tmp_path: Path) -> None:
 
     recs = [{"prompt_tokens": 10_000, "cached_tokens": c, "status": "ok"} for c in range(0, 10_000, 100)]
     sim = {"runs": [{"config": {"offload_gib": 128, "capacity_scale": 1.0}, "hit": 0.5,
+                     "records": recs},
+                    {"config": {"offload_gib": 0, "capacity_scale": 1.0, "mnbt": 1024}, "hit": 0.5,
                      "records": recs}]}  # fmt: skip
     (tmp_path / "bench.json").write_text(json.dumps({"cases": cases}))
     (tmp_path / "sim.json").write_text(json.dumps(sim))
@@ -51,3 +53,9 @@ def test_fit_recovers_the_cost_model_and_applies_it(tmp_path: Path) -> None:
                   + pm.tp4_overhead_s(10_000 - r["cached_tokens"], 16.0, chunk) for r in recs)  # fmt: skip
     assert run["tp4_ttft_s"]["16"]["p50"] == pytest.approx((full[49] + full[50]) / 2, rel=1e-6)
     assert run["tp4_ttft_s"]["8"]["p90"] > run["tp4_ttft_s"]["16"]["p90"] > run["ttft_s"]["p90"]
+    # a simulated run at another chunk size takes its own: more chunks, more latencies, re-reads
+    small = json.loads(out.read_text())["runs"][1]
+    full = sorted(_t(10_000 - r["cached_tokens"], r["cached_tokens"])
+                  + pm.tp4_overhead_s(10_000 - r["cached_tokens"], 16.0, 1024) for r in recs)  # fmt: skip
+    assert small["tp4_ttft_s"]["16"]["p50"] == pytest.approx((full[49] + full[50]) / 2, rel=1e-6)
+    assert small["tp4_ttft_s"]["16"]["p50"] > run["tp4_ttft_s"]["16"]["p50"]
