@@ -77,6 +77,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "worklogs"))
 
+import numpy as np  # noqa: E402
 import perf_metrics as pm  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -675,8 +676,9 @@ PREFILL_NOTES = [
 TARGET_CARD = {
     "name": "Iluvatar BI-V100 (TP4: one rank per card)",
     "dtype": "float16 (PLATFORM.md: bf16 is far slower there; teams run --dtype half)",
-    "copy_GBps": 584.0,
-    "copy_GBps_source": "/work/shared/PLATFORM.md (measured copy bandwidth)",
+    # The copy rate, and what a TP4 prefill adds to one rank's step (all-reduces, chunk
+    # re-reads): perf_metrics.CARD_TP4, the one place of those figures.
+    **pm.CARD_TP4,
     "peak_fp16_TFps": 147.0,
     "peak_fp16_TFps_source": "vendor figure as reported at launch (147 TFLOPS fp16/bf16, 37 fp32, "
     "32 GB HBM2 at 1.2 TB/s): https://geektopia.es/es/technology/2021/04/05/noticias/amp/"
@@ -687,8 +689,6 @@ TARGET_CARD = {
     "no measurement on the card is known)",
     "launch_us": 7.0,
     "launch_us_source": "/work/shared/PLATFORM.md (~7 us per small fused kernel launch, eager)",
-    # What a TP4 prefill adds to one rank's step (all-reduces, chunk re-reads): perf_metrics.
-    **{k: v for k, v in pm.CARD_TP4.items() if k not in ("copy_GBps", "copy_GBps_source")},
     "caveat": "the non-GEMM rest is scaled by copy bandwidth alone: the GDN chunk core's float32 "
     "(TF32 on the H200) GEMMs -- the card has no TF32 -- and kernels tuned for the H200 may "
     "scale worse",
@@ -1182,18 +1182,14 @@ def ttft_estimate(rows: list[dict[str, Any]], card: dict[str, Any], dtype: str) 
         chunk, chunk_source = pm.prefill_chunk_tokens()
         tp4: dict[str, Any] = {"chunk_tokens": chunk, "chunk_source": chunk_source,
                                "by_link_GBps": {}}  # fmt: skip
-        P, Cc = lens["prompt"], lens["cached"]
+        P, Cc = np.asarray(lens["prompt"], dtype=float), np.asarray(lens["cached"], dtype=float)
+        a, b = card_fit["a_s_per_token"], card_fit["b_s_per_pair"]
+        cold, warm = prefill_seconds(a, b, P, 0.0), prefill_seconds(a, b, P - Cc, Cc)
         for g in card["link_GBps"]:
-            def full(n: float, c: float, g: float = g) -> float:
-                a, b = card_fit["a_s_per_token"], card_fit["b_s_per_pair"]
-                return float(prefill_seconds(a, b, n, c) + pm.tp4_overhead_s(n, g, chunk, card))
-
-            cold = [full(p, 0) for p in P]
-            warm = [full(p - c, c) for p, c in zip(P, Cc, strict=True)]
+            full = {"ttft_cold_s": cold + pm.tp4_overhead_s(P, g, chunk, card),
+                    "ttft_with_cache_s": warm + pm.tp4_overhead_s(P - Cc, g, chunk, card)}
             tp4["by_link_GBps"][f"{g:g}"] = {
-                "ttft_cold_s": {f"p{q}": percentile(cold, q) for q in qs},
-                "ttft_with_cache_s": {f"p{q}": percentile(warm, q) for q in qs},
-            }  # fmt: skip
+                name: {f"p{q}": percentile(v, q) for q in qs} for name, v in full.items()}
         out["tp4"] = tp4
     out["resumed_vs_model"] = []
     for r in resumed:
