@@ -1,0 +1,1 @@
+"""What touches one vLLM generation's internals: one folder per engine generation."""
