@@ -59,51 +59,58 @@ async def stream_one(client: httpx.AsyncClient, url: str, spec: RequestSpec, ind
         "finish_reason": None, "n_chunks": 0, "content_chars": 0, "reasoning_chars": 0,
         "tool_call_chunks": 0, "done": False, **spec.extra,
     }
+
+    async def read() -> None:
+        async with client.stream("POST", url, json=spec.body, headers=headers) as resp:
+            rec["http_status"] = resp.status_code
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", "replace")
+                rec["status"] = "http_error"
+                rec["error"] = body[:1000]
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    rec["done"] = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:  # vLLM reports mid-stream failures as a data event
+                    rec["status"] = "stream_error"
+                    rec["error"] = json.dumps(chunk["error"])[:1000]
+                    return
+                rec["n_chunks"] += 1
+                if rec["t_first_token"] is None and _first_token_in(chunk):
+                    rec["t_first_token"] = time.perf_counter()
+                for choice in chunk.get("choices") or ():
+                    delta = choice.get("delta") or {}
+                    rec["content_chars"] += len(delta.get("content") or "")
+                    rec["reasoning_chars"] += len(delta.get("reasoning_content")
+                                                  or delta.get("reasoning") or "")
+                    rec["tool_call_chunks"] += 1 if delta.get("tool_calls") else 0
+                    if choice.get("finish_reason"):
+                        rec["finish_reason"] = choice["finish_reason"]
+                usage = chunk.get("usage")
+                if usage:
+                    rec["prompt_tokens"] = usage.get("prompt_tokens")
+                    rec["completion_tokens"] = usage.get("completion_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    rec["cached_tokens"] = details.get("cached_tokens")
+
     try:
-        async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url, json=spec.body, headers=headers) as resp:
-                rec["http_status"] = resp.status_code
-                if resp.status_code != 200:
-                    body = (await resp.aread()).decode("utf-8", "replace")
-                    rec["status"] = "http_error"
-                    rec["error"] = body[:1000]
-                    return rec
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        rec["done"] = True
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:  # vLLM reports mid-stream failures as a data event
-                        rec["status"] = "stream_error"
-                        rec["error"] = json.dumps(chunk["error"])[:1000]
-                        return rec
-                    rec["n_chunks"] += 1
-                    if rec["t_first_token"] is None and _first_token_in(chunk):
-                        rec["t_first_token"] = time.perf_counter()
-                    for choice in chunk.get("choices") or ():
-                        delta = choice.get("delta") or {}
-                        rec["content_chars"] += len(delta.get("content") or "")
-                        rec["reasoning_chars"] += len(delta.get("reasoning_content")
-                                                      or delta.get("reasoning") or "")
-                        rec["tool_call_chunks"] += 1 if delta.get("tool_calls") else 0
-                        if choice.get("finish_reason"):
-                            rec["finish_reason"] = choice["finish_reason"]
-                    usage = chunk.get("usage")
-                    if usage:
-                        rec["prompt_tokens"] = usage.get("prompt_tokens")
-                        rec["completion_tokens"] = usage.get("completion_tokens")
-                        details = usage.get("prompt_tokens_details") or {}
-                        rec["cached_tokens"] = details.get("cached_tokens")
+        # asyncio.wait_for, not asyncio.timeout (3.11+): the tools run on the card's Python 3.10.
+        await asyncio.wait_for(read(), timeout_s)
+        if rec["status"] in ("http_error", "stream_error"):
+            return rec
         if not rec["done"]:
             rec["status"], rec["error"] = "incomplete", "stream ended without [DONE]"
         elif rec["completion_tokens"] is None:
             rec["status"], rec["error"] = "incomplete", "no usage chunk"
         else:
             rec["status"] = "ok"
-    except (TimeoutError, httpx.TimeoutException) as exc:
+    # Python 3.10's asyncio.TimeoutError is not yet the builtin TimeoutError (3.11+).
+    except (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException) as exc:  # noqa: UP041
         rec["status"] = "timeout"
         rec["error"] = f"no complete response within {timeout_s:g} s ({type(exc).__name__})"
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
