@@ -255,7 +255,7 @@ def prefill_attention(
     query_lens: Sequence[int],
     context_lens: Sequence[int],
     scale: float,
-    key_chunk: int = DEFAULT_KEY_CHUNK,
+    key_chunk: int | None = None,
     max_elems: int = DEFAULT_MAX_ELEMS,
 ) -> torch.Tensor:
     """New tokens of several sequences over their cached contexts (varlen, causal in-chunk).
@@ -269,7 +269,10 @@ def prefill_attention(
         query_lens: new tokens per sequence.
         context_lens: cached tokens per sequence, all visible to every new token.
         scale: softmax scale.
-        key_chunk: keys per online-softmax step (rounded up to a whole number of blocks).
+        key_chunk: keys per online-softmax step (rounded up to a whole number of blocks);
+            by default as many as ``max_elems`` allows for the sequence's query tile (a short
+            suffix after a prefix hit takes its context in a few large steps), at least
+            ``DEFAULT_KEY_CHUNK``.
         max_elems: float32 score elements per (query tile x key chunk) step.
 
     Returns:
@@ -280,13 +283,17 @@ def prefill_attention(
     group = H // kv_heads
     out = torch.empty_like(query)
     block_size = key_cache.shape[2] if key_cache is not None else 1
-    key_chunk = max(block_size, math.ceil(key_chunk / block_size) * block_size)
-    q_tile = max(1, max_elems // (H * key_chunk))
     start = 0
     for i, (qlen, clen) in enumerate(zip(query_lens, context_lens, strict=True)):
         qlen, clen = int(qlen), int(clen)
         if qlen == 0:
             continue
+        chunk = key_chunk
+        if chunk is None:  # bound the scores (H x qlen x chunk) and the gather (kv x chunk x D)
+            chunk = min(max_elems // (H * qlen), max_elems // (kv_heads * D))
+            chunk = max(DEFAULT_KEY_CHUNK, chunk)
+        chunk = max(block_size, math.ceil(chunk / block_size) * block_size)
+        q_tile = max(1, max_elems // (H * chunk))
         end = start + qlen
         q = (query[start:end].float() * scale).view(qlen, kv_heads, group, D).permute(1, 2, 0, 3)
         m = torch.full((kv_heads, group, qlen), float("-inf"), device=query.device)
@@ -301,8 +308,8 @@ def prefill_attention(
                     f"sequence {i}: block table covers {block_tables.shape[1] * block_size} "
                     f"tokens, context has {clen}"
                 )
-            for c0 in range(0, clen, key_chunk):
-                c1 = min(clen, c0 + key_chunk)
+            for c0 in range(0, clen, chunk):
+                c1 = min(clen, c0 + chunk)
                 ids = block_tables[i, c0 // block_size : math.ceil(c1 / block_size)]
                 k = _gather_tokens(key_cache, ids)[:, : c1 - c0].float().unsqueeze(1)
                 v = _gather_tokens(value_cache, ids)[:, : c1 - c0].float().unsqueeze(1)
@@ -315,8 +322,8 @@ def prefill_attention(
         # 2. The chunk itself, causal: query j sees new keys 0..j.
         kn = key[start:end].float().permute(1, 0, 2).unsqueeze(1)  # [kv, 1, qlen, D]
         vn = value[start:end].float().permute(1, 0, 2).unsqueeze(1)
-        for k0 in range(0, qlen, key_chunk):
-            k1 = min(qlen, k0 + key_chunk)
+        for k0 in range(0, qlen, chunk):
+            k1 = min(qlen, k0 + chunk)
             kpos = torch.arange(k0, k1, device=query.device)
             for t0 in range(k0 - k0 % q_tile, qlen, q_tile):  # tiles wholly before k0 see none
                 t1 = min(qlen, t0 + q_tile)
