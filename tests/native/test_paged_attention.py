@@ -210,7 +210,8 @@ def test_prefill_chunk_equals_decode_of_its_last_token() -> None:
     slots = torch.stack([row[p // bs] * bs + p % bs for p in range(100, 112)])
     pa.write_kv(k, v, kc, vc, slots)
     dec = pa.decode_attention(q[-1:], kc, vc, tables, torch.tensor([112]), 0.1)
-    assert rel_err(dec[0], out[-1]) <= 1e-6
+    # two float32 summation orders over 112 keys: ~1e-6 apart at most over many seeds
+    assert rel_err(dec[0], out[-1]) <= FP32_TOL
 
 
 def test_prefill_rejects_short_block_table() -> None:
