@@ -2,15 +2,19 @@
 
 The platform runs the file's ``command`` with its ``env``. Every local use (``make serve``, the
 test fixture, the container test) goes through this module, which takes that same command and
-changes only what a local machine must change:
+changes only what a local machine must change. Each engine generation has its launch file:
+``computility-run.yaml`` (the platform's: vLLM 0.6.3, the V0 engine) and
+``vllm_overrides/engines/v1_0_32/computility-run.yaml`` (the 0.32.0 reference line); the default
+is the one for the vLLM installed beside this module (``COMPUTILITY_RUN_YAML`` overrides it).
 
     python -m vllm_overrides.launcher [--model PATH] [--tp N] [--max-model-len N] [--port N]
                                       [--host H] [--cpu] [--print] [-- EXTRA VLLM ARGS...]
 
-``--cpu`` applies the CPU settings: ``--dtype bfloat16`` (vLLM's CPU Gated-DeltaNet kernel only
-runs in bf16), tensor parallel 1 unless ``--tp`` says otherwise, and, unless the caller set
-them, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM otherwise reserves one of two cores, doubling
-prefill time) and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache).
+``--cpu`` applies the CPU settings: the dtype of the engine's CPU path (0.32.0: ``bfloat16``,
+vLLM's CPU Gated-DeltaNet kernel only runs in bf16; 0.6.3: ``float32``, our ops in exact
+arithmetic, as the oracle tests run them), tensor parallel 1 unless ``--tp`` says otherwise,
+and, unless the caller set them, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM otherwise reserves
+one of two cores, doubling prefill time) and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache).
 Paths under ``/workspace/`` (where the image keeps the overlay) resolve to this checkout when the
 directory does not exist. Environment variables set by the caller win over the file's ``env``.
 """
@@ -28,7 +32,32 @@ from typing import Any
 import yaml
 
 REPO_DIR = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = Path(os.environ.get("COMPUTILITY_RUN_YAML", REPO_DIR / "computility-run.yaml"))
+PLATFORM_CONFIG = REPO_DIR / "computility-run.yaml"
+V1_0_32_CONFIG = Path(__file__).resolve().parent / "engines" / "v1_0_32" / "computility-run.yaml"
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version without its local label (``0.6.3+corex.3.2.3`` -> 0.6.3),
+    read as ``patch_ops.sh`` reads it (no vLLM import: the launcher starts in a blink)."""
+    from vllm_overrides.patching import PatchError, find_vllm_site, installed_vllm_version
+
+    try:
+        return installed_vllm_version(find_vllm_site()).split("+")[0]
+    except (PatchError, OSError):
+        return None
+
+
+def default_config() -> Path:
+    """The launch file of the installed engine generation (the platform's when in doubt)."""
+    if "COMPUTILITY_RUN_YAML" in os.environ:
+        return Path(os.environ["COMPUTILITY_RUN_YAML"])
+    return V1_0_32_CONFIG if installed_vllm() == "0.32.0" else PLATFORM_CONFIG
+
+
+DEFAULT_CONFIG = default_config()
+# The dtype of each engine's CPU path (module docstring).
+CPU_DTYPE = {"0.32.0": "bfloat16"}
+CPU_DTYPE_DEFAULT = "float32"
 WORKSPACE = "/workspace/"
 CPU_ENV_DEFAULTS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 # Flags that name the same option; the first spelling is the one we write.
@@ -147,7 +176,7 @@ def build_launch(
             str(workspace / a[len(WORKSPACE) :]) if a.startswith(WORKSPACE) else a for a in argv
         ]
     if cpu:
-        argv = set_flag(argv, "--dtype", "bfloat16")
+        argv = set_flag(argv, "--dtype", CPU_DTYPE.get(installed_vllm() or "", CPU_DTYPE_DEFAULT))
         if tp is None:  # one CPU process; -tp N would ask for N workers
             argv = set_flag(argv, "--tensor-parallel-size", "1")
     argv += extra or []

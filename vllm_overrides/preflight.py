@@ -45,6 +45,7 @@ from vllm_overrides.launcher import (
     RunConfig,
     build_launch,
     get_flag,
+    installed_vllm,
     load_run_config,
     server_args,
     set_flag,
@@ -657,31 +658,55 @@ def check_yaml_schema(path: Path) -> tuple[Check, RunConfig | None]:
     ), config
 
 
+def _parse_serve_args_v0(args: list[str]) -> None:
+    """vLLM 0.6.3's parser and start-up checks of the API server: its argparse, its serve-args
+    validator, and the tool parser it looks up (after importing ``--tool-parser-plugin``)."""
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.openai.tool_parsers import ToolParserManager
+    from vllm.utils import FlexibleArgumentParser
+
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
+    validate_parsed_serve_args(parsed)
+    if parsed.tool_parser_plugin:
+        ToolParserManager.import_tool_parser(parsed.tool_parser_plugin)
+    if parsed.enable_auto_tool_choice and (
+        parsed.tool_call_parser not in ToolParserManager.tool_parsers
+    ):
+        raise KeyError(f"tool call parser {parsed.tool_call_parser!r} is not registered")
+
+
+def _parse_serve_args_v1(args: list[str]) -> None:
+    """vLLM 0.32.0's parser and validators."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.launcher import validate_api_server_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
+    validate_parsed_serve_args(parsed)
+    validate_api_server_args(parsed)
+
+
 def check_vllm_parser(config: RunConfig) -> Check:
-    """vLLM 0.32.0's own parser and validators accept every flag (with /workspace -> checkout)."""
-    try:
-        from vllm.entrypoints.launchers.cli_args import (
-            make_arg_parser,
-            validate_parsed_serve_args,
-        )
-        from vllm.entrypoints.launchers.launcher import validate_api_server_args
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError as exc:
-        return Check("vLLM parser", SKIP, f"vLLM not importable here: {exc}")
+    """The installed vLLM's own parser and validators accept every flag (with /workspace ->
+    checkout): 0.6.3's on the platform line, 0.32.0's on the reference line."""
+    version = installed_vllm()
+    parse = _parse_serve_args_v0 if version == "0.6.3" else _parse_serve_args_v1
     argv, _ = build_launch(config, workspace=REPO_DIR)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(server_args(argv))
-        validate_parsed_serve_args(parsed)
-        validate_api_server_args(parsed)
+            parse(server_args(argv))
+    except ImportError as exc:
+        return Check("vLLM parser", SKIP, f"vLLM {version} not importable here: {exc}")
     except SystemExit:
         last = (err.getvalue().strip().splitlines() or ["argparse error"])[-1]
-        return Check("vLLM parser", NO_GO, last)
+        return Check("vLLM parser", NO_GO, f"vLLM {version}: {last}")
     except Exception as exc:  # noqa: BLE001 - any validator error is a refusal at start-up
-        return Check("vLLM parser", NO_GO, f"{type(exc).__name__}: {exc}")
+        return Check("vLLM parser", NO_GO, f"vLLM {version}: {type(exc).__name__}: {exc}")
     return Check(
-        "vLLM parser", GO, f"{len(server_args(config.command))} args accepted and validated"
+        "vLLM parser",
+        GO,
+        f"vLLM {version}: {len(server_args(config.command))} args accepted and validated",
     )
 
 

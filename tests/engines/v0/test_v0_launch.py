@@ -1,0 +1,66 @@
+"""computility-run.yaml, the platform's launch, read by vLLM 0.6.3's own parser (the V0 engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_overrides import preflight
+from vllm_overrides.launcher import (
+    DEFAULT_CONFIG,
+    PLATFORM_CONFIG,
+    REPO_DIR,
+    build_launch,
+    get_flag,
+    installed_vllm,
+    load_run_config,
+    server_args,
+)
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_run_config(PLATFORM_CONFIG)
+
+
+def test_the_platform_yaml_is_the_default_on_v0() -> None:
+    assert installed_vllm() == "0.6.3"
+    assert DEFAULT_CONFIG == PLATFORM_CONFIG
+    assert b"\r" not in PLATFORM_CONFIG.read_bytes()
+
+
+def test_vllm_063_parser_accepts_and_validates_every_flag(config) -> None:
+    check = preflight.check_vllm_parser(config)
+    assert check.status == preflight.GO, check.detail
+
+
+def test_the_platform_settings(config) -> None:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(server_args(config.command))
+    assert config.concurrency == 1
+    assert args.model == "/model" and args.served_model_name == ["llm"]
+    assert args.tensor_parallel_size == 4
+    assert args.max_model_len == 262144  # PLATFORM.md: a 131,072 context scored 0
+    assert args.dtype == "half"  # bf16 on the card cut Output TPS P10 to 0.37
+    assert args.enforce_eager is True
+    assert args.enable_chunked_prefill is True and args.enable_prefix_caching is True
+    assert args.tool_call_parser == "qwen3_coder" and args.enable_auto_tool_choice is True
+    assert args.chat_template == "/workspace/chat_template_multi_system.jinja"
+    assert args.gpu_memory_utilization < 0.95  # 0.95 ran out of memory at start-up
+    assert config.env["ENABLE_CUSTOM_IPC"] == "1"
+
+
+def test_a_flag_063_does_not_know_is_no_go(config) -> None:
+    bad = type(config)(config.concurrency, config.command + ["--reasoning-parser", "qwen3"], {})
+    check = preflight.check_vllm_parser(bad)
+    assert check.status == preflight.NO_GO and "--reasoning-parser" in check.detail
+
+
+def test_cpu_launch_runs_float32_on_one_rank(config) -> None:
+    argv, env = build_launch(config, model="m", cpu=True, base_env={})
+    assert get_flag(argv, "--dtype") == "float32"
+    assert get_flag(argv, "--tensor-parallel-size") == "1"
+    # /workspace paths resolve to this checkout where /workspace does not exist.
+    assert get_flag(argv, "--chat-template") == str(REPO_DIR / "chat_template_multi_system.jinja")
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
