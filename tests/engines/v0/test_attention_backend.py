@@ -28,6 +28,7 @@ from vllm.worker.model_runner import (
     ModelInputForGPUBuilder,
     ModelInputForGPUWithSamplingMetadata,
 )
+from vllm.worker.model_runner_base import _init_attn_metadata_from_tensor_dict
 
 from vllm_overrides import patching
 from vllm_overrides.engines.v0 import attention as vo
@@ -164,6 +165,15 @@ def test_mixed_chunked_prefill_prefix_hit_and_decode_batch() -> None:
     got = out.view(T, HEADS, HEAD)
     assert _rel_err(got[:114], want_prefill) <= 1e-5
     assert _rel_err(got[114:], want_decode) <= 1e-5
+
+    # Tensor-parallel workers rebuild the metadata from the broadcast dict (non-None fields
+    # only): same lengths, no cached sub-metadata travelling, same answer.
+    sent = meta.asdict_zerocopy()
+    assert not any(name.startswith("_") for name in sent)
+    rebuilt = _init_attn_metadata_from_tensor_dict(vo.VOPagedBackend, dict(sent))["attn_metadata"]
+    assert rebuilt.prefill_metadata.prefill_lens() == (query_lens, context_lens)
+    kv_again = torch.cat([kc0[None], vc0[None]])
+    assert torch.equal(impl.forward(q, k, v, kv_again, rebuilt), out)
 
 
 def test_profile_run_without_cache_and_plain_prefill() -> None:
