@@ -1,0 +1,131 @@
+"""The whole V0 API layer over HTTP: vLLM 0.6.3's ``api_server`` with patch 0010 applied (to a
+copy, loaded as its own module), our middleware and serving classes, a scripted engine stub."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.entrypoints.openai.api_server")
+
+from tests.engines.v0.api_fakes import REPO, TEMPLATE, FakeEngine, make_tokenizer  # noqa: E402
+
+PATCH = REPO / "patches" / "vllm-0.6.3" / "0010-api-server-install-v0-api.patch"
+
+
+@pytest.fixture(scope="module")
+def api_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import vllm
+
+    root = tmp_path_factory.mktemp("site")
+    target = root / "vllm" / "entrypoints" / "openai" / "api_server.py"
+    target.parent.mkdir(parents=True)
+    shutil.copy(Path(vllm.__file__).parent / "entrypoints/openai/api_server.py", target)
+    subprocess.run(["patch", "-p1", "--quiet", "-d", str(root), "-i", str(PATCH)], check=True)
+    spec = importlib.util.spec_from_file_location("vo_patched_api_server", target)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def serve(api_server: Any, engine: FakeEngine, max_model_len: int = 4096) -> Any:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+        ["--model", "llm", "--served-model-name", "llm", "--chat-template", str(TEMPLATE),
+         "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]
+    )  # fmt: skip
+    app = api_server.build_app(args)
+    model_config = SimpleNamespace(
+        max_model_len=max_model_len, multimodal_config=None, embedding_mode=False,
+        hf_config=SimpleNamespace(model_type="qwen3_5_moe"),
+    )  # fmt: skip
+    api_server.init_app_state(engine, model_config, app.state, args)
+    return app
+
+
+def post(app: Any, path: str, body: Any) -> Any:
+    import httpx
+
+    async def go() -> Any:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            if isinstance(body, (bytes, str)):
+                return await client.post(path, content=body)
+            return await client.post(path, json=body)
+
+    return asyncio.run(go())
+
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_agent_body_is_served_with_reasoning_and_the_version_header(api_server) -> None:
+    engine = FakeEngine(make_tokenizer(), [[(0, "hm</think>\n\nok", 4, "stop")]])
+    app = serve(api_server, engine)
+    body = {"model": "llm", "messages": USER, "max_completion_tokens": 32,
+            "reasoning_effort": "medium", "store": False}  # fmt: skip
+    response = post(app, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-vllm-overrides-version"]
+    message = response.json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("hm", "ok")
+    assert engine.params[0].max_tokens == 32
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"max_tokens": 4097}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 1.1}, "top_p"),
+        ({"thinking": "maybe"}, "thinking"),
+    ],
+)
+def test_bad_input_is_an_openai_400_before_the_engine(api_server, body, param) -> None:
+    engine = FakeEngine(make_tokenizer(), [[(0, "x", 1, "stop")]])
+    response = post(serve(api_server, engine), "/v1/chat/completions",
+                     {"model": "llm", "messages": USER, **body})  # fmt: skip
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+    assert engine.prompts == []
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"{not json", b'"text"'])
+def test_non_object_bodies_are_400(api_server, raw) -> None:
+    engine = FakeEngine(make_tokenizer(), [])
+    response = post(serve(api_server, engine), "/v1/chat/completions", raw)
+    assert response.status_code == 400 and "error" in response.json()
+
+
+def test_stream_with_usage_and_done(api_server) -> None:
+    engine = FakeEngine(make_tokenizer(), [[(0, "a", 1, None)], [(0, "b", 1, "length")]])
+    body = {"model": "llm", "messages": USER, "stream": True, "max_tokens": 2,
+            "chat_template_kwargs": {"enable_thinking": False},
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    response = post(serve(api_server, engine), "/v1/chat/completions", body)
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert [c.get("usage") for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1]) == "ab"
+
+
+def test_budget_equal_to_the_context_is_fitted_not_refused(api_server) -> None:
+    engine = FakeEngine(make_tokenizer(), [[(0, "a", 1, "length")]])
+    response = post(serve(api_server, engine, max_model_len=256), "/v1/chat/completions",
+                    {"model": "llm", "messages": USER, "max_tokens": 256})  # fmt: skip
+    assert response.status_code == 200, response.text
+    assert engine.params[0].max_tokens == 256 - len(engine.prompts[0])
