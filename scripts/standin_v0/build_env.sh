@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The stand-in of the platform's base for development and CI (engines/v0/STANDIN.md):
-# a Python 3.10 venv with torch 2.1.2, transformers 4.51.3 and vLLM 0.6.3's Python layer.
+# a Python 3.10 venv with torch 2.1.2, transformers 4.51.3, vLLM 0.6.3's Python layer and the
+# vllm_standin harness (the card's GPU worker on CPU tensors).
 #   VENV_V0   where (default .venv-v0)
 #   PY310     the Python 3.10 that makes it (default: pyenv's 3.10, else python3.10 on PATH)
 # The vLLM wheel is fetched once (pip's cache keeps it) and repacked by repack_vllm.py; the venv
@@ -11,7 +12,7 @@ VENV_V0=${VENV_V0:-.venv-v0}
 PY310=${PY310:-$(ls /root/.pyenv/versions/3.10.*/bin/python3.10 2>/dev/null | tail -n 1)}
 PY310=${PY310:-$(command -v python3.10)}
 key=$(cat "$here"/build_env.sh "$here"/requirements.txt "$here"/repack_vllm.py \
-      "$here"/pyairports/*.py | sha256sum | cut -c1-16)
+      "$here"/pyairports/*.py "$here"/vllm_standin/*.py | sha256sum | cut -c1-16)
 if [ -f "$VENV_V0/.standin-$key" ]; then
   echo "stand-in venv $VENV_V0 is current ($key)"
   exit 0
@@ -25,6 +26,11 @@ py="$VENV_V0/bin/python"
 # torch 2.1.2 pulls in Triton 2.1; the card has none that works and vLLM 0.6.3 reads its absence
 # as HAS_TRITON = False, as on the card.
 "$py" -m pip uninstall -q -y triton
+# outlines depends on pyairports; PyPI's pyairports 0.0.1 is setuptools' sample project (top-level
+# `sample` and `tests` packages, a `byted-wandb` script, no pyairports module). Its `tests`
+# package shadows this repository's tests/ (a namespace package), so it goes; our stub below
+# provides the module outlines imports.
+"$py" -m pip uninstall -q -y pyairports
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$py" -m pip download -q --no-deps --only-binary :all: --python-version 3.10 \
@@ -33,7 +39,11 @@ trap 'rm -rf "$work"' EXIT
 "$py" -m pip install -q --no-deps "$work"/out/vllm-*.whl
 site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 cp -r "$here/pyairports" "$site/"
-"$py" -c "import torch, vllm; from vllm.platforms import current_platform as p; \
+# The harness that runs the card's GPU worker on CPU tensors (vllm_standin/__init__.py).
+rm -rf "$site/vllm_standin"
+cp -r "$here/vllm_standin" "$site/"
+find "$site/vllm_standin" -name __pycache__ -prune -exec rm -rf {} +
+"$py" -c "import torch, vllm, vllm_standin.executor; from vllm.platforms import current_platform as p; \
 assert vllm.__version__.startswith('0.6.3') and p.is_cpu(); \
 print('stand-in: python', __import__('sys').version.split()[0], 'torch', torch.__version__, 'vllm', vllm.__version__)"
 touch "$VENV_V0/.standin-$key"
