@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import torch_compat
+
 logger = logging.getLogger("vllm.vllm_overrides.native")
 
 _logged: set[str] = set()
@@ -135,7 +137,7 @@ def forward_method(layer: Any) -> Any:
 
 def _first_forward(layer: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     """Decide once (weights are loaded by the first forward, the profile run), then rebind."""
-    if torch.compiler.is_compiling():
+    if torch_compat.is_compiling():
         return layer.forward_cuda(hidden_states)  # nothing to mutate while Dynamo traces
     reason = _runtime_reason(layer)
     if reason is not None:
@@ -197,7 +199,7 @@ def merged_forward(
     b, a = layer.split_ba(ba)
     if contiguous:
         b, a = b.contiguous(), a.contiguous()
-    if normed is not None and not torch.compiler.is_compiling():
+    if normed is not None and not torch_compat.is_compiling():
         out = normed(layer, mixed_qkv, b, a, z)
         if out is not None:
             return layer.out_proj(out.flatten(-2))[0]

@@ -51,10 +51,17 @@ Selection (``NATIVE_KERNELS``, read at import; :func:`set_backend` for tools and
 * ``emulate`` (tests only): CPU tensors take the fused kernels' own source run on host threads
   (:func:`enable_cpu_emulation`), so a CPU server exercises the engine's calls into them.
 
+No op changes path silently: the first call of each op on each path (``fused``, ``emulated``,
+``torch``) logs one line naming the op family, the path and, for the PyTorch path, why
+(:func:`note_path`; :data:`PATHS` holds what ran). ``tests/engines/v0/test_torch21_floor.py``
+fails if the kernels load but an op family does not run on them.
+
 The extension comes from the prebuilt wheel (``scripts/build_kernels_wheel.sh``; the image
 installs it from ``build-inputs/wheelhouse/``) or, for development, from a JIT build of
 ``csrc/`` when ``NATIVE_KERNELS_JIT=1``. Every op is a ``torch.ops.vo_kernels`` operator with a
-fake (meta) implementation, so it can sit inside traced / compiled code and CUDA graphs.
+fake (meta) implementation where torch has the API for one (2.2+: :mod:`.torch_compat`), so it
+can sit inside traced / compiled code and CUDA graphs; on the card's torch 2.1 (eager only) the
+ops load and run without fakes.
 Each op's contract is exactly its PyTorch path's; ``tests/native/test_cuda_kernels.py`` checks
 both against the float64 references.
 """
@@ -71,7 +78,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import gdn, moe, qk_norm_rope, rmsnorm
+from . import gdn, moe, qk_norm_rope, rmsnorm, torch_compat
 
 logger = logging.getLogger("vllm.vllm_overrides.native")
 
@@ -107,6 +114,34 @@ _load_error = ""
 _logged: set[str] = set()
 # Ops that ran on the fused kernels in this process (the engine logs them with its paths).
 FUSED_USED: set[str] = set()
+# Ops that ran on their PyTorch path in this process.
+TORCH_USED: set[str] = set()
+
+# What the log calls each op (the families of the table above; paged attention's selector
+# reports through note_path too). "_with_shared" variants share their op's name.
+OP_FAMILIES = {
+    "gemma_rms_norm": "RMSNorm (1 + w)",
+    "rms_norm_gated": "gated RMSNorm (GDN output)",
+    "dense_linear": "dense linear (decode GEMV)",
+    "gdn_decode": "GDN decode",
+    "gdn_conv_prep": "GDN prefill conv + prep",
+    "gdn_chunk_prefill": "GDN prefill chunk rule",
+    "moe_route": "MoE route",
+    "moe_decode": "MoE decode",
+    "moe_decode_routed": "MoE decode (routed in kernel)",
+    "moe_prefill": "MoE prefill",
+    "moe_grouped_gemm": "MoE prefill expert GEMMs (our grouped GEMM)",
+    "qk_norm_rope_gate": "qk-norm-rope",
+    "paged_attention": "paged attention",
+}
+# Every (op, path) that ran in this process: "fused" (the CUDA extension), "emulated" (the
+# kernels on host threads, tests only) or "torch" (the PyTorch ops). One log line each.
+PATHS: dict[str, set[str]] = {}
+_PATH_WORDS = {
+    "fused": "fused kernel (vo_native_kernels)",
+    "emulated": "fused kernel emulated on host threads (NATIVE_KERNELS=emulate, tests only)",
+    "torch": "PyTorch ops",
+}
 
 
 def _log_once(key: str, msg: str, *args: Any) -> None:
@@ -115,10 +150,43 @@ def _log_once(key: str, msg: str, *args: Any) -> None:
         logger.info(msg, *args)
 
 
+def note_path(op: str, path: str, why: str = "") -> None:
+    """Record that ``op`` ran on ``path`` (``fused`` / ``emulated`` / ``torch``) and log it the
+    first time: no op family changes path silently."""
+    paths = PATHS.setdefault(op, set())
+    if path in paths:
+        return
+    paths.add(path)
+    name = OP_FAMILIES.get(op.removesuffix("_with_shared"), op)
+    logger.info(
+        "native op %s [%s]: %s%s", name, op, _PATH_WORDS.get(path, path), f" ({why})" if why else ""
+    )
+
+
 def _used(op: str) -> None:
     # Eager decode runs this per op per layer: test membership first, it is the cheap part.
-    if op not in FUSED_USED and not torch.compiler.is_compiling():
+    if op not in FUSED_USED and not torch_compat.is_compiling():
         FUSED_USED.add(op)  # a side effect tracing need not replay
+        note_path(op, "emulated" if _emulated else "fused")
+
+
+def _torch_used(op: str, x: torch.Tensor, why: str = "") -> None:
+    """``op`` took its PyTorch path on ``x`` (logged once per op, with the reason)."""
+    if op not in TORCH_USED and not torch_compat.is_compiling():
+        TORCH_USED.add(op)
+        note_path(op, "torch", why or _why_torch(x))
+
+
+def _why_torch(x: torch.Tensor) -> str:
+    if _mode == "torch":
+        return "NATIVE_KERNELS=torch"
+    if (_loaded and x.is_cuda) or (_emulated and x.device.type == "cpu"):
+        return "the kernel does not take these shapes, dtypes or layouts"
+    if x.device.type != "cuda" and not _emulated:
+        return f"tensors on {x.device.type}"
+    if x.device.type != "cuda":
+        return f"the emulation serves CPU tensors, not {x.device.type}"
+    return f"vo_native_kernels not loaded: {_load_error or 'not tried'}"
 
 
 def set_backend(name: str) -> None:
@@ -162,10 +230,26 @@ def enable_cpu_emulation(warp_size: int = 64) -> None:
             extra_include_paths=[str(CSRC)],
             is_python_module=False,
         )
-        _register_fakes()
         _loaded = _emulation_built = True
+        _fakes()
     _emulated = True
     torch.ops.vo_kernels.emu_set_warp_size(warp_size)
+
+
+def _fakes() -> None:
+    """Register the ops' fake implementations where torch can (:mod:`.torch_compat`). They only
+    serve tracing, compile and CUDA graphs: a torch without the API (2.1, the card's) or a
+    failed registration leaves the loaded ops in use for eager calls, with one log line."""
+    if torch_compat.FAKE_API == "none":
+        logger.info(
+            "vo_kernels: torch %s has no fake-op API; the ops run eager only (no tracing)",
+            torch.__version__,
+        )
+        return
+    try:
+        _register_fakes()
+    except Exception as e:  # noqa: BLE001 - eager calls do not need the fakes
+        logger.warning("vo_kernels: fake implementations not registered (eager only): %s", e)
 
 
 def disable_cpu_emulation() -> None:
@@ -187,7 +271,7 @@ def extension_loaded() -> bool:
                 jit_build()
             _loaded = hasattr(torch.ops.vo_kernels, "gdn_decode")
             if _loaded:
-                _register_fakes()
+                _fakes()
             else:
                 _load_error = "the library loaded but registered no vo_kernels ops"
         except Exception as e:  # noqa: BLE001 - any failure means "use the PyTorch ops"
@@ -240,6 +324,7 @@ def gemma_rms_norm(
             return torch.ops.vo_kernels.gemma_rms_norm(x, weight, eps)
         out, res = torch.ops.vo_kernels.gemma_fused_add_rms_norm(x, residual, weight, eps)
         return out, res
+    _torch_used("gemma_rms_norm", x)
     if residual is None:
         return rmsnorm.gemma_rms_norm(x, weight, eps)
     return rmsnorm.gemma_fused_add_rms_norm(x, residual, weight, eps)
@@ -252,6 +337,7 @@ def rms_norm_gated(
     if use_cuda(x) and activation in ("silu", "swish", "sigmoid") and x.shape == z.shape:
         _used("rms_norm_gated")
         return torch.ops.vo_kernels.rms_norm_gated(x, z, weight, eps, activation == "sigmoid")
+    _torch_used("rms_norm_gated", x)
     return rmsnorm.rms_norm_gated(x, z, weight, eps, activation)
 
 
@@ -268,9 +354,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     without bias goes to the decode GEMV where the fused kernels serve (one plain launch
     instead of cuBLAS's host cost; the op itself hands other dtypes and layouts to
     ``at::linear``)."""
-    if bias is None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and use_cuda(x):
+    decode_row = bias is None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+    if decode_row and use_cuda(x):
         _used("dense_linear")
         return torch.ops.vo_kernels.dense_linear(x, weight)
+    _torch_used("dense_linear", x, "" if decode_row else "F.linear: not a bias-free decode row")
     return F.linear(x, weight, bias)
 
 
@@ -347,6 +435,7 @@ def gdn_decode(
             norm_weight.contiguous() if norm else None, norm_eps, norm_activation == "sigmoid",
         )  # fmt: skip
         return
+    _torch_used("gdn_decode", mixed_qkv)
     x = gdn.causal_conv1d_decode(mixed_qkv, conv_state, conv_weight, conv_bias, activation, slots)
     gdn.fused_recurrent_gated_delta_rule_packed_decode(
         x, a, b, A_log, dt_bias, scale, ssm_state, out.unsqueeze(1), slots,
@@ -400,6 +489,7 @@ def gdn_conv_prep(
         and a.shape[-1] <= 256
     )
     if not ok:
+        _torch_used("gdn_conv_prep", x)
         out = gdn.causal_conv1d_prefill(
             x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
             activation,
@@ -443,6 +533,8 @@ def chunk_gated_delta_rule(
     global GDN_CHUNK_FUSED  # cleared when the device refuses the kernel (below)
 
     def torch_path() -> tuple[torch.Tensor, torch.Tensor | None]:
+        why = "" if GDN_CHUNK_FUSED else "GDN_CHUNK_KERNEL is not 'fused', or the device refused it"
+        _torch_used("gdn_chunk_prefill", q, why)
         return gdn.chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             chunk_indices, chunk_offsets, use_qk_l2norm_in_kernel, core_attn_out, layout, **kw,
@@ -523,6 +615,7 @@ def moe_route(
         _used("moe_route")
         w, ids = torch.ops.vo_kernels.moe_route(logits, top_k, renormalize)
         return w, ids
+    _torch_used("moe_route", logits)
     return moe.route(logits, top_k, renormalize)
 
 
@@ -553,6 +646,7 @@ def moe_decode(
         return torch.ops.vo_kernels.moe_decode(
             x, topk_weights.float(), topk_ids, w13, w2, sh_w13, sh_w2, sh_gate
         )
+    _torch_used("moe_decode", x)
     out = moe.moe_experts_decode(x, topk_weights, topk_ids, w13, w2, "gather")
     if shared is not None:
         out = out + moe.shared_expert(x, *shared)
@@ -718,6 +812,7 @@ def moe_prefill(
             sh_out = F.linear(ops.moe_act(F.linear(x, gate_up), None), down)
             sh_gate = None if gate is None else F.linear(x, gate)
         return ops.moe_combine(y, inverse, top_k, sh_out, sh_gate)
+    _torch_used("moe_prefill", x)
     topk_w, topk_ids = moe.route(router_logits, top_k, renormalize)
     out = moe.moe_experts_prefill(x, topk_w, topk_ids, w13, w2, method)
     if shared is not None:
@@ -837,6 +932,7 @@ def qk_norm_rope_gate(
             num_kv_heads, head_dim, rotary_dim, sec_h, sec_w, 1.0,  # norm_beta: (1 + w)
         )  # fmt: skip
         return q, kk, gate
+    _torch_used("qk_norm_rope_gate", q_gate)
     return qk_norm_rope.qk_norm_rope_gate(
         q_gate, k, q_weight, k_weight, cos_sin_cache, positions, eps, num_q_heads,
         num_kv_heads, head_dim, rotary_dim, mrope_section,
@@ -847,27 +943,27 @@ def qk_norm_rope_gate(
 def _register_fakes() -> None:
     lib = "vo_kernels::"
 
-    @torch.library.register_fake(lib + "gemma_rms_norm")
+    @torch_compat.register_fake(lib + "gemma_rms_norm")
     def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.empty_like(x)
 
-    @torch.library.register_fake(lib + "gemma_fused_add_rms_norm")
+    @torch_compat.register_fake(lib + "gemma_fused_add_rms_norm")
     def _(
         x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty_like(x), torch.empty_like(x)
 
-    @torch.library.register_fake(lib + "dense_linear")
+    @torch_compat.register_fake(lib + "dense_linear")
     def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
 
-    @torch.library.register_fake(lib + "rms_norm_gated")
+    @torch_compat.register_fake(lib + "rms_norm_gated")
     def _(
         x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, sigmoid: bool
     ) -> torch.Tensor:
         return torch.empty_like(x)
 
-    @torch.library.register_fake(lib + "gdn_conv_prep")
+    @torch_compat.register_fake(lib + "gdn_conv_prep")
     def _(x: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
         H, K, V = args[11], args[12], args[13]  # after weight, bias, ..., A_log, dt_bias
         T, D = x.shape
@@ -877,7 +973,7 @@ def _register_fakes() -> None:
             x.new_empty(T, HV, dtype=torch.float32), x.new_empty(T, HV, dtype=torch.float32),
         )  # fmt: skip
 
-    @torch.library.register_fake(lib + "gdn_chunk_prefill")
+    @torch_compat.register_fake(lib + "gdn_chunk_prefill")
     def _(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
@@ -887,7 +983,7 @@ def _register_fakes() -> None:
         HV, V = v.shape[1], v.shape[2]
         return v.new_empty(v.shape), q.new_empty(N, HV, V, q.shape[2], dtype=torch.float32)
 
-    @torch.library.register_fake(lib + "moe_route")
+    @torch_compat.register_fake(lib + "moe_route")
     def _(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         T = logits.shape[0]
         return (
@@ -895,11 +991,11 @@ def _register_fakes() -> None:
             logits.new_empty(T, top_k, dtype=torch.int64),
         )
 
-    @torch.library.register_fake(lib + "moe_decode")
+    @torch_compat.register_fake(lib + "moe_decode")
     def _(x: torch.Tensor, *args: Any) -> torch.Tensor:
         return torch.empty_like(x)
 
-    @torch.library.register_fake(lib + "moe_decode_routed")
+    @torch_compat.register_fake(lib + "moe_decode_routed")
     def _(
         x: torch.Tensor, logits: torch.Tensor, top_k: int, *args: Any
     ) -> tuple[torch.Tensor, ...]:  # noqa: E501
@@ -910,7 +1006,7 @@ def _register_fakes() -> None:
             x.new_empty(T, top_k, dtype=torch.int64),
         )
 
-    @torch.library.register_fake(lib + "moe_route_count")
+    @torch_compat.register_fake(lib + "moe_route_count")
     def _(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, ...]:
         T, E = logits.shape
         return (
@@ -920,7 +1016,7 @@ def _register_fakes() -> None:
             logits.new_empty(T, top_k, dtype=torch.int32),
         )
 
-    @torch.library.register_fake(lib + "moe_permute")
+    @torch_compat.register_fake(lib + "moe_permute")
     def _(
         x: torch.Tensor,
         w: torch.Tensor,
@@ -936,7 +1032,7 @@ def _register_fakes() -> None:
             x.new_empty(counts.shape[0], dtype=torch.int32),
         )
 
-    @torch.library.register_fake(lib + "moe_order")
+    @torch_compat.register_fake(lib + "moe_order")
     def _(
         w: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, slot: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
@@ -949,21 +1045,21 @@ def _register_fakes() -> None:
             w.new_empty(E + 1, dtype=torch.int32),
         )
 
-    @torch.library.register_fake(lib + "moe_grouped_gemm")
+    @torch_compat.register_fake(lib + "moe_grouped_gemm")
     def _(a: torch.Tensor, src: torch.Tensor | None, w: torch.Tensor, *args: Any) -> torch.Tensor:
         if src is None:
             return a.new_empty(a.shape[0], w.shape[1])
         return a.new_empty(src.shape[0], w.shape[1] // 2)
 
-    @torch.library.register_fake(lib + "moe_act")
+    @torch_compat.register_fake(lib + "moe_act")
     def _(h: torch.Tensor, ws: torch.Tensor | None) -> torch.Tensor:
         return h.new_empty(h.shape[0], h.shape[1] // 2)
 
-    @torch.library.register_fake(lib + "moe_combine")
+    @torch_compat.register_fake(lib + "moe_combine")
     def _(y: torch.Tensor, inverse: torch.Tensor, top_k: int, *args: Any) -> torch.Tensor:
         return y.new_empty(inverse.shape[0] // top_k, y.shape[1])
 
-    @torch.library.register_fake(lib + "qk_norm_rope_gate")
+    @torch_compat.register_fake(lib + "qk_norm_rope_gate")
     def _(q_gate: torch.Tensor, k: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
         T, qw = q_gate.shape[0], q_gate.shape[1] // 2
         return q_gate.new_empty(T, qw), k.new_empty(k.shape), q_gate.new_empty(T, qw)
