@@ -32,6 +32,7 @@ from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     ErrorResponse,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -348,9 +349,38 @@ class _StreamRewriter:
         return [f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"]
 
 
+class _DumpedCompletionResponse(CompletionResponse):
+    """A completion answer already dumped to a dict (see ``_DumpedChatResponse``)."""
+
+    @classmethod
+    def of(cls, payload: dict[str, Any]) -> _DumpedCompletionResponse:
+        response = cls.model_construct(**payload)
+        object.__setattr__(response, "_payload", payload)
+        return response
+
+    def model_dump(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self._payload  # type: ignore[attr-defined, no-any-return]
+
+
+def _cached_sum(results: list[Any]) -> int | None:
+    counts = [getattr(res, "num_cached_tokens", None) for res in results]
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None
+
+
 class V0ServingCompletion(_BudgetFit, OpenAIServingCompletion):
+    def request_output_to_completion_response(self, final_res_batch, *args: Any, **kw: Any):
+        response = super().request_output_to_completion_response(final_res_batch, *args, **kw)
+        cached = _cached_sum(list(final_res_batch))
+        if cached is None or not isinstance(response, CompletionResponse):
+            return response
+        payload = response.model_dump()
+        _usage_details(payload["usage"], cached)
+        return _DumpedCompletionResponse.of(payload)
+
     async def completion_stream_generator(self, request, result_generator, *args: Any, **kw: Any):
         counts: dict[int, int] = {}
+        cached: dict[int, int] = {}
         num_choices = 1 if request.n is None else request.n
 
         async def counted(results: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -358,16 +388,18 @@ class V0ServingCompletion(_BudgetFit, OpenAIServingCompletion):
                 for output in res.outputs:
                     i = output.index + prompt_idx * num_choices
                     counts[i] = counts.get(i, 0) + len(output.token_ids)
+                if getattr(res, "num_cached_tokens", None) is not None:
+                    cached[prompt_idx] = res.num_cached_tokens
                 yield prompt_idx, res
 
         stream = super().completion_stream_generator(
             request, counted(result_generator), *args, **kw
         )
         async for event in stream:
-            yield _completion_usage(event, counts)
+            yield _completion_usage(event, counts, cached)
 
 
-def _completion_usage(event: str, counts: dict[int, int]) -> str:
+def _completion_usage(event: str, counts: dict[int, int], cached: dict[int, int]) -> str:
     if not event.startswith("data: {") or '"usage"' not in event:
         return event
     payload = json.loads(event[len("data: ") :])
@@ -375,7 +407,11 @@ def _completion_usage(event: str, counts: dict[int, int]) -> str:
     if not isinstance(usage, dict):
         return event
     choices = payload.get("choices") or []
-    done = counts.get(choices[0]["index"], 0) if choices else sum(counts.values())
+    if choices:
+        done = counts.get(choices[0]["index"], 0)
+    else:  # the final usage chunk: every choice of every prompt
+        done = sum(counts.values())
+        _usage_details(usage, sum(cached.values()) if cached else None)
     usage["completion_tokens"] = done
     usage["total_tokens"] = usage.get("prompt_tokens", 0) + done
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
