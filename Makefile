@@ -9,7 +9,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test lint deploy model clean-venv preflight image-test fuzz load replay cache-sim \
-	kernel-resources setup-v0 test-v0
+	kernel-resources setup-v0 deploy-v0 test-v0
 
 # The platform line's stand-in (Python 3.10, torch 2.1.2, vLLM 0.6.3's Python layer):
 # scripts/standin_v0/build_env.sh, rebuilt only when that folder changes.
@@ -42,8 +42,9 @@ setup: deploy model
 serve: setup
 	$(PY) -m vllm_overrides.launcher --cpu --model $(MODEL) --host 127.0.0.1 --port $(PORT)
 
-test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+# Both lines: the platform line (vLLM 0.6.3 stand-in) first, then the 0.32.0 reference line.
+test: setup test-v0
+	$(PY) -m pytest --ignore=tests/engines/v0 $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check vllm_overrides
@@ -54,8 +55,19 @@ clean-venv:
 setup-v0:
 	VENV_V0=$(VENV_V0) bash scripts/standin_v0/build_env.sh
 
+deploy-v0: setup-v0
+	PYTHON=$(PY_V0) bash patch_ops.sh apply
+	PYTHON=$(PY_V0) bash patch_ops.sh verify
+
+# The float32 oracle: Hugging Face transformers' own forward of the tiny model, greedy. The
+# stand-in's transformers 4.51.3 (the card's) does not know qwen3_5_moe, so the 0.32.0 line's
+# venv (transformers 5) computes it, and the tiny model too.
+ORACLE := build/hf_oracle.json
+$(ORACLE): tests/native_engine/hf_oracle.py $(MODEL)/config.json
+	$(PY) tests/native_engine/hf_oracle.py $@
+
 # The platform line's tests, on the stand-in.
-test-v0: setup-v0
+test-v0: deploy-v0 model $(ORACLE)
 	$(PY_V0) -m pytest tests/engines/v0 $(PYTEST_ARGS)
 
 # Submission preflight: computility-run.yaml, the patch manifest, and the KV-capacity estimate.
