@@ -24,6 +24,7 @@ from vllm_overrides.request_compat import (
     CompatError,
     ServerLimits,
     default_max_tokens,
+    media_allowed_hosts,
     normalize_chat_request,
     normalize_completion_request,
 )
@@ -225,6 +226,7 @@ async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
 def install_api_compat(app: Any, args: Namespace) -> None:
     """Called once from ``vllm.entrypoints.launchers.app.build_app`` (patch 0001)."""
     default_max_tokens()  # a bad setting stops the start-up, not the first request
+    media_allowed_hosts()  # likewise
     app.add_middleware(CompatMiddleware)
     install_media_error_mapping()
     # vLLM 0.32.0 exits with status 0 after its engine core dies; the platform restarts only a

@@ -10,13 +10,19 @@ sent, so the answer is a 400 that says why (tests/robustness/test_fuzz.py found 
 
 vLLM's extension point for media loading is its connector registry (``VLLM_MEDIA_CONNECTOR``,
 default ``http``). ``install_media_error_mapping`` re-registers the configured connector's name
-with a subclass that converts load failures into ``VLLMValidationError``; what loads is unchanged.
+with a subclass that converts load failures into ``VLLMValidationError``; what loads is unchanged,
+except that a URL the server would have to fetch is refused first unless the operator allow-listed
+its host (``request_compat.check_media_url``). The middleware already refuses those in chat
+requests; here the same rule covers every other endpoint that loads media (``/v1/responses``,
+``/v1/messages``, ``/tokenize`` with messages), so no request makes the server fetch anything.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+from vllm_overrides.request_compat import CompatError, check_media_url, media_allowed_hosts
 
 logger = logging.getLogger("vllm.overrides.media_errors")
 
@@ -36,17 +42,29 @@ def _client_error(url: str, exc: Exception) -> Exception:
     )
 
 
+def refuse_unlisted_remote_url(url: str) -> None:
+    """A URL the server would fetch from a host the operator did not allow is a 400, unfetched."""
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        check_media_url(url, "image_url", media_allowed_hosts())
+    except CompatError as exc:
+        raise VLLMValidationError(exc.message, parameter="image_url") from None
+
+
 def client_error_connector(base: type) -> type:
     """A subclass of the connector class ``base`` whose load failures are client errors."""
 
     class ClientErrorMediaConnector(base):  # type: ignore[misc, valid-type]
         def load_from_url(self, url: str, *args: Any, **kwargs: Any) -> Any:
+            refuse_unlisted_remote_url(url)
             try:
                 return super().load_from_url(url, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - every load failure is the input's
                 raise _client_error(url, exc) from exc
 
         async def load_from_url_async(self, url: str, *args: Any, **kwargs: Any) -> Any:
+            refuse_unlisted_remote_url(url)
             try:
                 return await super().load_from_url_async(url, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - every load failure is the input's

@@ -1,8 +1,9 @@
 """Request-side compatibility rules, as pure functions on the decoded JSON body.
 
-Each rule either rewrites a request the server can serve into the form vLLM 0.32.0 understands,
-or rejects one it cannot serve with a clear 400 *before* it reaches the engine. None of them
-changes what the model is asked to generate beyond what the client asked for.
+Each rule either rewrites a request the server can serve into the form vLLM understands, or
+rejects one it cannot serve with a clear 400 *before* it reaches the engine. None of them changes
+what the model is asked to generate beyond what the client asked for. They import nothing from
+vLLM, so every engine line (0.32.0's middleware, the V0 line) applies the same functions.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 # Documented in the README: the budget of a request that names no max_tokens. vLLM's own default
 # is "the rest of the context" (262K tokens at the platform's settings), which can keep a stream
@@ -204,6 +206,112 @@ def check_roles(body: dict[str, Any]) -> None:
             )
 
 
+# OpenAI requires ``content`` on these roles (a string or a list of parts, never null); vLLM
+# renders a message without it as an empty turn and answers 200 (the platform's check t16b).
+CONTENT_REQUIRED_ROLES = frozenset({"system", "developer", "user", "tool"})
+
+
+def check_message_content(body: dict[str, Any]) -> None:
+    """A message without ``content`` (absent or null) is a 400, as on OpenAI's API.
+
+    An assistant message may leave it out when it carries ``tool_calls`` (or the legacy
+    ``function_call``); one with neither says nothing, and OpenAI rejects it too ("expected a
+    string, got null"). The deprecated ``function`` role is left to vLLM (its schema allows null).
+    """
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        if not isinstance(message, dict) or message.get("content") is not None:
+            continue
+        role = message.get("role")
+        if role in CONTENT_REQUIRED_ROLES:
+            raise CompatError(
+                f"messages[{i}] (role {role!r}) has no 'content'", f"messages[{i}].content"
+            )
+        calls = message.get("tool_calls") or message.get("function_call")
+        if role == "assistant" and not calls:
+            raise CompatError(
+                f"messages[{i}] (role 'assistant') has neither 'content' nor 'tool_calls'",
+                f"messages[{i}].content",
+            )
+
+
+# Documented in the README: the hosts a media URL in a request may name. Empty by default: the
+# server fetches nothing a request points it at (an SSRF guard: the platform's check d08), and
+# clients send images inline as base64 data: URLs.
+MEDIA_ALLOWED_HOSTS_ENV = "VLLM_OVERRIDES_MEDIA_ALLOWED_HOSTS"
+# The content-part keys that carry a media URL (OpenAI's image_url; vLLM's video_url, audio_url),
+# as {"url": ...} or, in vLLM's short form, the URL string itself.
+MEDIA_URL_KEYS = ("image_url", "video_url", "audio_url")
+# URL parsers disagree about the host of a URL with a backslash (it ends the authority for a
+# WHATWG parser, not for urllib), with userinfo, or with spaces or control characters (urllib
+# drops tabs and newlines, others do not): such a URL never counts as naming an allowed host.
+_SPACE_OR_CONTROL = frozenset(chr(c) for c in range(33)) | {"\x7f"}
+
+
+def media_allowed_hosts() -> frozenset[str]:
+    """The operator's allow-list: comma-separated host names (any port), case-insensitive."""
+    hosts = set()
+    for entry in os.environ.get(MEDIA_ALLOWED_HOSTS_ENV, "").split(","):
+        host = entry.strip().lower().rstrip(".")
+        if not host:
+            continue
+        if any(c in host for c in "/\\@") or _SPACE_OR_CONTROL & set(host):
+            raise ValueError(
+                f"{MEDIA_ALLOWED_HOSTS_ENV} holds host names separated by commas, got {entry!r}"
+            )
+        hosts.add(host.strip("[]"))  # an IPv6 literal may be written as in a URL
+    return frozenset(hosts)
+
+
+def check_media_url(url: str, param: str, allowed_hosts: frozenset[str]) -> None:
+    """Refuse a media URL the server would have to fetch, unless its host is allow-listed.
+
+    ``data:`` URLs are inline and pass. ``file:`` URLs pass too: the engine refuses them unless
+    its operator named a local media path (0.32.0: ``--allowed-local-media-path``). Anything
+    else — http(s) to a host not in ``allowed_hosts``, or a scheme the check does not know — is
+    a 400 before any engine code sees the URL.
+    """
+    if url[:5].lower() == "data:":
+        return
+    hint = "send the media inline as a base64 data: URL"
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:
+        raise CompatError(f"{param} is not a valid URL; {hint}", param) from None
+    if parts.scheme in ("data", "file"):
+        return
+    if parts.scheme not in ("http", "https"):
+        raise CompatError(f"{param} has an unsupported URL scheme; {hint}", param)
+    if host is None:
+        raise CompatError(f"{param} names no host; {hint}", param)
+    if host.rstrip(".") not in allowed_hosts:
+        raise CompatError(
+            f"{param} points at a remote host ({host[:100]}) and this server does not fetch "
+            f"media from URLs in requests; {hint}",
+            param,
+        )
+    if "@" in parts.netloc or "\\" in url or _SPACE_OR_CONTROL & set(url):
+        raise CompatError(f"{param} does not name its host unambiguously; {hint}", param)
+
+
+def check_media_urls(body: dict[str, Any], allowed_hosts: frozenset[str] | None = None) -> None:
+    """Apply ``check_media_url`` to every media URL in the messages' content parts."""
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(part, dict):
+                continue
+            for key in MEDIA_URL_KEYS:
+                value = part.get(key)
+                url = value.get("url") if isinstance(value, dict) else value
+                if isinstance(url, str):
+                    if allowed_hosts is None:
+                        allowed_hosts = media_allowed_hosts()
+                    check_media_url(url, f"messages[{i}].content[{j}].{key}", allowed_hosts)
+
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -229,6 +337,8 @@ def normalize_chat_request(body: Any, limits: ServerLimits) -> Any:
         return body  # vLLM's own validation answers 400 for these
     check_integer_range(body)
     check_roles(body)
+    check_message_content(body)
+    check_media_urls(body)
     normalize_thinking(body)
     forced_tool_choice_without_thinking(body)
     normalize_tool_calls(body)

@@ -100,3 +100,33 @@ def test_unparseable_bodies_are_4xx(server, raw) -> None:
 def test_unknown_model_is_404(server) -> None:
     resp = post(server, "/v1/chat/completions", {"model": "no-such-model", "messages": [USER]})
     assert_openai_error(resp, 404)
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user"}],
+        [{"role": "user", "content": None}],
+        [{"role": "system"}, USER],
+        [{"role": "system", "content": None}, USER],
+        [USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "c1"}],
+        [USER, {"role": "assistant"}, {"role": "user", "content": "And?"}],
+    ],
+    ids=["user-absent", "user-null", "system-absent", "system-null", "tool-absent",
+         "assistant-neither"],
+)  # fmt: skip
+def test_message_without_content_is_a_400(server, messages) -> None:
+    """The platform's check t16b: ``{"role": "user"}`` alone must be a 4xx (vLLM answers 200)."""
+    resp = post(server, "/v1/chat/completions",
+                {"model": server.model, "messages": messages, "max_tokens": 5})  # fmt: skip
+    assert_openai_error(resp, 400)
+
+
+def test_assistant_tool_calls_need_no_content(server) -> None:
+    """The one message OpenAI lets go without ``content``: an assistant turn that calls tools."""
+    history = [USER, {"role": "assistant", "tool_calls": [CALL]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    assert ok(chat(server, history, max_tokens=2))["usage"]["completion_tokens"] == 2

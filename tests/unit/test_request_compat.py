@@ -7,8 +7,11 @@ import json
 import pytest
 
 from vllm_overrides.request_compat import (
+    MEDIA_ALLOWED_HOSTS_ENV,
     CompatError,
     ServerLimits,
+    check_media_urls,
+    media_allowed_hosts,
     normalize_chat_request,
     normalize_completion_request,
 )
@@ -146,3 +149,135 @@ def test_integers_beyond_64_bits_are_a_400_naming_the_field(name: str, value: in
         assert err.value.param == name and err.value.status == 400
     # the range's own ends reach vLLM (which answers for them itself)
     assert normalize_completion_request({"prompt": "0", name: 2**63 - 1}, LIMITS)[name] == 2**63 - 1
+
+
+# --- t16b: a message without content ------------------------------------------------------------
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
+@pytest.mark.parametrize("absent", [True, False], ids=["key-absent", "null"])
+def test_message_without_content_is_a_400(role: str, absent: bool) -> None:
+    """The platform's check t16b sends ``{"role": "user"}`` and expects a 4xx."""
+    message = {"role": role} if absent else {"role": role, "content": None}
+    if role == "tool":
+        message["tool_call_id"] = "c1"
+    with pytest.raises(CompatError) as err:
+        normalize_chat_request({"messages": [*USER, message]}, LIMITS)
+    assert err.value.status == 400 and err.value.param == "messages[1].content"
+    assert "no 'content'" in err.value.body()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "assistant", "tool_calls": [CALL]},
+        {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": ""},
+        {"role": "user", "content": [{"type": "text", "text": "x"}]},
+        {"role": "function", "name": "f", "content": None},
+    ],
+    ids=["tool-calls-null-content", "tool-calls-no-content", "function-call", "empty-assistant",
+         "empty-user", "user-parts", "function-role-null"],
+)  # fmt: skip
+def test_messages_that_need_no_more_content_pass(message: dict) -> None:
+    body = normalize_chat_request({"messages": [*USER, message]}, LIMITS)
+    assert body["messages"][1]["role"] == message["role"]
+
+
+@pytest.mark.parametrize("calls", [None, []], ids=["null-calls", "empty-calls"])
+def test_assistant_with_neither_content_nor_tool_calls_is_a_400(calls) -> None:
+    """OpenAI answers such a turn with "expected a string, got null"; so do we."""
+    with pytest.raises(CompatError, match="neither 'content' nor 'tool_calls'") as err:
+        normalize_chat_request(
+            {"messages": [*USER, {"role": "assistant", "tool_calls": calls}]}, LIMITS
+        )
+    assert err.value.param == "messages[1].content"
+
+
+# --- d08: media URLs that would make the server fetch ---------------------------------------
+
+# The URL the platform's check d08 sends.
+EVALUATOR_URL = "https://upload.wikimedia.org/wikipedia/commons/thumb/3/3a/Cat03.jpg/200px-Cat03.jpg"
+DATA_URL = "data:image/png;base64,iVBORw0KGgo="
+
+
+def image_chat(url, key: str = "image_url", short: bool = False) -> dict:
+    part = {"type": key, key: url if short else {"url": url}}
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "?"}, part]}]}
+
+
+@pytest.mark.parametrize(
+    "url",
+    [EVALUATOR_URL, "http://127.0.0.1:8000/x.png", "HTTPS://Example.COM/x.png", "http://[::1]/x",
+     "http://169.254.169.254/latest/meta-data/", "gopher://example.com/x", "ftp://example.com/x",
+     "httpx://example.com/x", "http:no-host.png", "//example.com/x.png", "http://[broken/x"],
+)  # fmt: skip
+def test_remote_media_urls_are_a_400_by_default(monkeypatch, url: str) -> None:
+    monkeypatch.delenv(MEDIA_ALLOWED_HOSTS_ENV, raising=False)
+    with pytest.raises(CompatError) as err:
+        normalize_chat_request(image_chat(url), LIMITS)
+    assert err.value.status == 400 and err.value.param == "messages[0].content[1].image_url"
+    assert "data: URL" in err.value.message  # says what to send instead
+
+
+@pytest.mark.parametrize("key", ["image_url", "video_url", "audio_url"])
+@pytest.mark.parametrize("short", [False, True], ids=["url-object", "url-string"])
+def test_every_media_part_shape_is_checked(key: str, short: bool) -> None:
+    with pytest.raises(CompatError, match="remote host"):
+        check_media_urls(image_chat(EVALUATOR_URL, key, short), frozenset())
+
+
+@pytest.mark.parametrize(
+    "url", [DATA_URL, "DATA:image/png;base64,AAAA", " data:image/png;base64,AAAA", "file:///x.png"]
+)
+def test_inline_and_local_urls_are_left_to_the_engine(url: str) -> None:
+    """data: is inline; file: is refused by the engine unless its operator named a local path."""
+    assert normalize_chat_request(image_chat(url), LIMITS)["messages"][0]["content"][1] == {
+        "type": "image_url", "image_url": {"url": url}
+    }  # fmt: skip
+
+
+def test_the_allow_list_admits_only_the_hosts_it_names(monkeypatch) -> None:
+    monkeypatch.setenv(MEDIA_ALLOWED_HOSTS_ENV, " Upload.Wikimedia.org , 10.0.0.5,[::1],")
+    assert media_allowed_hosts() == frozenset({"upload.wikimedia.org", "10.0.0.5", "::1"})
+    for url in (EVALUATOR_URL, "http://10.0.0.5:9000/a.png", "http://[::1]/a", "https://UPLOAD.wikimedia.org./a"):
+        normalize_chat_request(image_chat(url), LIMITS)  # passes unchanged
+    for url in ("https://wikimedia.org/a", "https://evil.upload.wikimedia.org.evil.com/a",
+                "http://10.0.0.50/a", "https://upload.wikimedia.org.evil.com/a"):
+        with pytest.raises(CompatError, match="remote host"):
+            normalize_chat_request(image_chat(url), LIMITS)
+    # the first offending part is named, wherever it sits
+    body = image_chat(DATA_URL)
+    body["messages"].append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x.org/a"}}]})
+    with pytest.raises(CompatError) as err:
+        normalize_chat_request(body, LIMITS)
+    assert err.value.param == "messages[1].content[0].image_url"
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["https://evil.com\\@upload.wikimedia.org/a", "https://user@upload.wikimedia.org/a",
+     "https://upload.wikimedia.org/a b", "https://upload.wiki\tmedia.org/a", " https://upload.wikimedia.org/a"],
+)  # fmt: skip
+def test_an_allowed_host_must_be_named_unambiguously(url: str) -> None:
+    """Parsers disagree on backslashes, userinfo and whitespace; such URLs are never admitted."""
+    allowed = frozenset({"upload.wikimedia.org"})
+    with pytest.raises(CompatError, match="unambiguously|remote host"):
+        check_media_urls(image_chat(url), allowed)
+
+
+@pytest.mark.parametrize("bad", ["https://a.com", "a.com/x", "me@a.com", "a b"])
+def test_a_malformed_allow_list_is_refused(monkeypatch, bad: str) -> None:
+    monkeypatch.setenv(MEDIA_ALLOWED_HOSTS_ENV, f"ok.com,{bad}")
+    with pytest.raises(ValueError, match=MEDIA_ALLOWED_HOSTS_ENV):
+        media_allowed_hosts()
+
+
+def test_odd_part_shapes_are_left_to_vllm() -> None:
+    odd = [5, "text", {"type": "image_url", "image_url": 7}, {"type": "image_url", "image_url": {"url": None}}]
+    body = {"messages": [{"role": "user", "content": odd}, {"role": "user", "content": "x"}, "junk"]}
+    check_media_urls(body, frozenset())  # nothing to refuse: vLLM's own validation answers
