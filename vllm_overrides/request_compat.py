@@ -212,11 +212,13 @@ CONTENT_REQUIRED_ROLES = frozenset({"system", "developer", "user", "tool"})
 
 
 def check_message_content(body: dict[str, Any]) -> None:
-    """A message without ``content`` (absent or null) is a 400, as on OpenAI's API.
+    """A system / developer / user / tool message without ``content`` (absent or null) is a 400:
+    it gives the model nothing to read (the platform's check t16b sends ``{"role": "user"}``).
 
-    An assistant message may leave it out when it carries ``tool_calls`` (or the legacy
-    ``function_call``); one with neither says nothing, and OpenAI rejects it too ("expected a
-    string, got null"). The deprecated ``function`` role is left to vLLM (its schema allows null).
+    An assistant message never needs one: it is history the model produced, and an agent may
+    send back a turn whose content was null (one that only called tools, or only reasoned);
+    the template renders it empty, so the request can be served and is. The deprecated
+    ``function`` role is left to vLLM (its schema allows null).
     """
     messages = body.get("messages")
     for i, message in enumerate(messages if isinstance(messages, list) else []):
@@ -226,12 +228,6 @@ def check_message_content(body: dict[str, Any]) -> None:
         if role in CONTENT_REQUIRED_ROLES:
             raise CompatError(
                 f"messages[{i}] (role {role!r}) has no 'content'", f"messages[{i}].content"
-            )
-        calls = message.get("tool_calls") or message.get("function_call")
-        if role == "assistant" and not calls:
-            raise CompatError(
-                f"messages[{i}] (role 'assistant') has neither 'content' nor 'tool_calls'",
-                f"messages[{i}].content",
             )
 
 

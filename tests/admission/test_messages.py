@@ -113,10 +113,8 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arg
         [{"role": "system"}, USER],
         [{"role": "system", "content": None}, USER],
         [USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "c1"}],
-        [USER, {"role": "assistant"}, {"role": "user", "content": "And?"}],
     ],
-    ids=["user-absent", "user-null", "system-absent", "system-null", "tool-absent",
-         "assistant-neither"],
+    ids=["user-absent", "user-null", "system-absent", "system-null", "tool-absent"],
 )  # fmt: skip
 def test_message_without_content_is_a_400(server, messages) -> None:
     """The platform's check t16b: ``{"role": "user"}`` alone must be a 4xx (vLLM answers 200)."""
@@ -126,7 +124,14 @@ def test_message_without_content_is_a_400(server, messages) -> None:
 
 
 def test_assistant_tool_calls_need_no_content(server) -> None:
-    """The one message OpenAI lets go without ``content``: an assistant turn that calls tools."""
+    """An assistant turn that called tools comes back without ``content``: served."""
     history = [USER, {"role": "assistant", "tool_calls": [CALL]},
                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    assert ok(chat(server, history, max_tokens=2))["usage"]["completion_tokens"] == 2
+
+
+def test_assistant_history_without_content_is_served(server) -> None:
+    """An agent may echo a turn whose content was null (it only reasoned): the request can be
+    served, so it is (the template renders the turn empty)."""
+    history = [USER, {"role": "assistant", "content": None}, {"role": "user", "content": "And?"}]
     assert ok(chat(server, history, max_tokens=2))["usage"]["completion_tokens"] == 2
