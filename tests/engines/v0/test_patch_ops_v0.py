@@ -38,10 +38,17 @@ def _standin_vllm() -> Path:
 
 
 def make_site(root: Path) -> Path:
-    """A site holding a fresh copy of the stand-in's vLLM (12 MB of Python: well under a second)."""
+    """A site holding a fresh copy of the stand-in's vLLM (12 MB of Python: well under a second),
+    as upstream ships it: ``make deploy-v0`` may have patched the venv's, so our diffs are taken
+    off the copy."""
     site = root / "site"
     site.mkdir()
     shutil.copytree(_standin_vllm(), site / "vllm", ignore=shutil.ignore_patterns("__pycache__"))
+    patching.revert(site)
+    for name, files in patching.load_patches(V0.patch_dir):
+        for fp in files:
+            state = patching.patch_state(site, fp)
+            assert state == "unapplied", f"{name}: {fp.path} is {state} in the stand-in's vLLM"
     return site
 
 
