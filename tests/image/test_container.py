@@ -94,10 +94,11 @@ def test_overlay_verifies_inside_the_image(container: str) -> None:
     assert "verify: OK" in proc.stdout
 
 
-def test_image_python_is_the_venv(container: str) -> None:
-    proc = _exec(
-        container, "python3", "-c", "import sys, vllm; print(sys.prefix, vllm.__version__)"
-    )
+def test_image_runs_the_platforms_stack(container: str) -> None:
+    """Python 3.10 and vLLM 0.6.3 / torch from the base's CoreX path (not a venv of ours)."""
+    code = "import sys, torch, vllm; print(sys.version_info[1], vllm.__version__, vllm.__file__)"
+    proc = _exec(container, "python3", "-c", code)
     assert proc.returncode == 0, proc.stdout
-    prefix, version = proc.stdout.split()[-2:]
-    assert prefix == "/opt/venv" and version.split("+")[0] == "0.32.0", proc.stdout
+    minor, version, where = proc.stdout.split()[-3:]
+    assert minor == "10" and version.split("+")[0] == "0.6.3", proc.stdout
+    assert where.startswith("/usr/local/corex/lib64/python3/dist-packages/vllm/"), where

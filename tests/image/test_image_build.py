@@ -1,6 +1,7 @@
 """A broken patch or a tampered overlay fails the image build (not a warning).
 
-Each case builds a copy of the context the image was built from (the snapshot that
+The platform line's image (vLLM 0.6.3 at the CoreX path of the base, the stand-in here). Each
+case builds a copy of the context the image was built from (the snapshot that
 ``scripts/image_test.sh`` builds, so edits to the working tree meanwhile do not matter) with one
 file changed, with the image's own build arguments, so the layer cache serves every layer up to the overlay and only the overlay
 layers rebuild (seconds, not the 5-minute cold build). A control build of the unchanged copy
@@ -16,19 +17,22 @@ from pathlib import Path
 
 import pytest
 
-from scripts.build_context import dockerfile_sources
 from scripts.build_context import make_context as _make_context
-from tests.image.image_support import podman
+from tests.image.image_support import REPO_DIR, podman
 
 pytestmark = pytest.mark.image
 
-SITE = "/opt/venv/lib/python3.11/site-packages"
-PATCH_DIR = Path("patches/vllm-0.32.0")
+# Where the base keeps vLLM (the vendor's corex dist-packages), so where the overlay deploys.
+SITE = "/usr/local/corex/lib64/python3/dist-packages"
+PATCH_DIR = Path("patches/vllm-0.6.3")
+# A module of the shared core that the V0 overlay deploys and `verify` imports.
+VICTIM = "vllm_overrides/media_errors.py"
 MakeContext = Callable[[Path], Path]
 
 
 def build(context: Path, build_args: list[str], iidfile: Path | None = None) -> tuple[int, str]:
-    args = ["build", "--pull=never", "--network", "host", "--layers", "--force-rm"]
+    # --network=none: as the image was built (scripts/image_test.sh), so the cache hits.
+    args = ["build", "--pull=never", "--network=none", "--layers", "--force-rm"]
     if iidfile is not None:
         args += ["--iidfile", str(iidfile)]
     proc = podman(*args, *build_args, "-f", str(context / "Dockerfile"), str(context))
@@ -44,12 +48,6 @@ def make_context(build_context: Path) -> MakeContext:
 @pytest.fixture(scope="module")
 def clean_context(make_context: MakeContext, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_context(tmp_path_factory.mktemp("ctx-clean"))
-
-
-def test_dockerfile_sources_are_found(build_context: Path) -> None:
-    sources = dockerfile_sources(build_context / "Dockerfile")
-    for must in ("patches", "vllm_overrides", "patch_ops.sh", "build-inputs/wheelhouse"):
-        assert must in sources, sources
 
 
 def test_control_copy_rebuilds_the_same_image(
@@ -77,7 +75,9 @@ def test_broken_patch_fails_the_build(
     make_context: MakeContext, tmp_path: Path, build_args: list[str]
 ) -> None:
     ctx = make_context(tmp_path / "ctx")
-    patch = sorted((ctx / PATCH_DIR).glob("*.patch"))[0]
+    patches = sorted((ctx / PATCH_DIR).glob("*.patch"))
+    assert patches, f"no patches in {PATCH_DIR}"
+    patch = patches[0]
     old, drifted = _first_context_line(patch)
     text = patch.read_text(encoding="utf-8")
     patch.write_text(text.replace(old, drifted, 1), encoding="utf-8")
@@ -94,38 +94,45 @@ def test_overlay_that_does_not_compile_fails_the_build(
     make_context: MakeContext, tmp_path: Path, build_args: list[str]
 ) -> None:
     ctx = make_context(tmp_path / "ctx")
-    victim = ctx / "vllm_overrides" / "api_compat.py"
+    victim = ctx / VICTIM
     victim.write_text(victim.read_text(encoding="utf-8") + "\ndef broken(:\n", encoding="utf-8")
     rc, out = build(ctx, build_args)
     assert rc != 0, "an overlay file that does not compile must fail the build:\n" + out[-3000:]
-    assert f"verify: FAIL {SITE}/vllm_overrides/api_compat.py: does not byte-compile" in out, out[
-        -3000:
-    ]
+    assert f"verify: FAIL {SITE}/{VICTIM}: does not byte-compile" in out, out[-3000:]
     assert "COMMIT" not in out
 
 
-# (what the tampering RUN does, the verify message that must name the file)
-TAMPER = {
-    "overlay-file-edited": (
-        f"echo '# tampered' >> {SITE}/vllm_overrides/api_compat.py",
-        f"verify: FAIL {SITE}/vllm_overrides/api_compat.py: sha256 differs from the manifest",
-    ),
-    "patched-vllm-file-edited": (
-        f"sed -i 's/install_api_compat(app, args)/pass/' {SITE}/vllm/entrypoints/launchers/app.py",
-        f"verify: FAIL {SITE}/vllm/entrypoints/launchers/app.py: sha256 differs from the manifest",
-    ),
-    "stray-overlay-file": (
-        f"echo 'x = 1' > {SITE}/vllm_overrides/stray.py",
-        f"verify: FAIL {SITE}/vllm_overrides/stray.py: not in the manifest (stray overlay file)",
-    ),
-}
+def _first_patched_file() -> str:
+    """The file (relative to SITE) the first 0.6.3 patch changes."""
+    patch = sorted((REPO_DIR / PATCH_DIR).glob("*.patch"))[0]
+    text = patch.read_text(encoding="utf-8")
+    return next(ln[len("+++ b/") :].strip() for ln in text.splitlines() if ln.startswith("+++ b/"))
 
 
-@pytest.mark.parametrize("case", sorted(TAMPER))
+def tampering(case: str) -> tuple[str, str]:
+    """(what the tampering RUN does, the verify message that must name the file)"""
+    if case == "stray-overlay-file":
+        stray = f"{SITE}/vllm_overrides/stray.py"
+        return (
+            f"echo 'x = 1' > {stray}",
+            f"verify: FAIL {stray}: not in the manifest (stray overlay file)",
+        )
+    target = VICTIM if case == "overlay-file-edited" else _first_patched_file()
+    edited = f"{SITE}/{target}"
+    return (
+        f"echo '# tampered' >> {edited}",
+        f"verify: FAIL {edited}: sha256 differs from the manifest",
+    )
+
+
+TAMPER_CASES = ["overlay-file-edited", "patched-vllm-file-edited", "stray-overlay-file"]
+
+
+@pytest.mark.parametrize("case", TAMPER_CASES)
 def test_tampering_after_deploy_fails_verify_in_a_build(
     case: str, image: str, tmp_path: Path
 ) -> None:
-    tamper, message = TAMPER[case]
+    tamper, message = tampering(case)
     (tmp_path / "Dockerfile").write_text(
         f"FROM {image}\nRUN {tamper}\nRUN PYTHON=python3 bash /workspace/patch_ops.sh verify\n",
         encoding="utf-8",
@@ -140,7 +147,7 @@ def test_overlay_that_fails_on_import_fails_the_build(
     make_context: MakeContext, tmp_path: Path, build_args: list[str]
 ) -> None:
     ctx = make_context(tmp_path / "ctx")
-    victim = ctx / "vllm_overrides" / "api_compat.py"
+    victim = ctx / VICTIM
     victim.write_text(
         victim.read_text(encoding="utf-8") + '\nraise RuntimeError("broken at import")\n',
         encoding="utf-8",
@@ -149,4 +156,4 @@ def test_overlay_that_fails_on_import_fails_the_build(
     if rc == 0:  # the wrong outcome: do not leave the image behind
         podman("rmi", (tmp_path / "iid").read_text().strip())
     assert rc != 0, "an overlay module that fails on import must fail the build"
-    assert "vllm_overrides.api_compat: import failed" in out, out[-3000:]
+    assert "vllm_overrides.media_errors: import failed" in out, out[-3000:]
