@@ -781,6 +781,9 @@ def moe_prefill(
         method = "wmma" if ours and wmma_ok else library
     if method == "wmma" and not wmma_ok:
         method = library
+    if method == "grouped" and library != "grouped":  # forced where it does not run (torch 2.1)
+        _log_once("no-grouped", "MoE prefill: torch._grouped_mm does not run here, expert loop")
+        method = "loop"
     if fused:
         _used("moe_prefill" if shared is None else "moe_prefill_with_shared")
         ops = torch.ops.vo_kernels

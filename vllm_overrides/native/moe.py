@@ -36,8 +36,12 @@ Expert paths:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger("vllm.vllm_overrides.native")
 
 __all__ = [
     "grouped_mm_available",
@@ -50,6 +54,7 @@ __all__ = [
 ]
 
 _GROUPED_OK: dict[tuple[str, int | None, torch.dtype], bool] = {}
+_LOGGED_NO_GROUPED: list[bool] = []  # one warning per process
 _CSR_OK: dict[tuple[str, int | None, torch.dtype], bool] = {}
 
 
@@ -238,6 +243,16 @@ def _grouped_experts(
     """Both projections over expert-sorted rows ``xs [P, H]``; the routing weights ``ws [P]``
     are folded into the down-projection input, so the combine is a plain sum."""
     I = w2.shape[2]  # noqa: E741 - the usual name for the intermediate size
+    if method == "grouped" and not hasattr(torch, "_grouped_mm"):
+        # Asked for by name (MOE_PREFILL_GEMM=grouped, a decode method) on a torch without it
+        # (the card's 2.1): the per-expert loop computes the same, and the log says so.
+        if not _LOGGED_NO_GROUPED:
+            _LOGGED_NO_GROUPED.append(True)
+            logger.warning(
+                "torch %s has no _grouped_mm: MoE 'grouped' GEMMs run as the per-expert loop",
+                torch.__version__,
+            )
+        method = "loop"
     if method == "grouped":
         h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
         return torch._grouped_mm(_weighted_act(h, ws.unsqueeze(-1)), w2.transpose(1, 2), offs=ends)

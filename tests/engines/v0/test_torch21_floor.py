@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -91,6 +92,49 @@ def test_newer_torch_apis_take_their_fallbacks() -> None:
     import torch._dynamo  # noqa: F401  (the fallback reads Dynamo's flag once it is imported)
 
     assert torch_compat.is_compiling() is False
+
+
+class _Records(logging.Handler):
+    """The native ops' log records, read at the logger itself (vLLM's logging config stops
+    ``vllm.*`` records from reaching pytest's root handler once vLLM is imported)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def native_log() -> Iterator[_Records]:
+    log = logging.getLogger("vllm.vllm_overrides.native")
+    handler, level = _Records(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    yield handler
+    log.removeHandler(handler)
+    log.setLevel(level)
+
+
+def test_moe_grouped_gemm_falls_back_to_the_expert_loop(
+    native_log: _Records, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``torch._grouped_mm`` (newer torch) asked for by name: the per-expert loop, logged."""
+    from vllm_overrides.native import moe
+
+    assert not hasattr(torch, "_grouped_mm")
+    monkeypatch.setattr(moe, "_LOGGED_NO_GROUPED", [])
+    torch.manual_seed(0)
+    x, logits = torch.randn(24, 64), torch.randn(24, 8)
+    w13, w2 = torch.randn(8, 64, 64) * 0.125, torch.randn(8, 64, 32) * 0.18
+    w, ids = moe.route(logits, 2, True)
+    got = moe.moe_experts_prefill(x, w, ids, w13, w2, "grouped")
+    dec = moe.moe_experts_decode(x[:3], w[:3], ids[:3], w13, w2, "grouped")
+    assert torch.equal(got, moe.moe_experts_prefill(x, w, ids, w13, w2, "loop"))
+    assert _err(got, mref.moe_experts_reference(x, w, ids, w13, w2)) <= TOL
+    assert _err(dec, mref.moe_experts_reference(x[:3], w[:3], ids[:3], w13, w2)) <= TOL
+    assert sum("no _grouped_mm" in line for line in native_log.lines) == 1, native_log.lines
 
 
 # ------------------------------------------------------------------------------------------
@@ -319,7 +363,9 @@ def torch_backend() -> None:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_pytorch_path_matches_float64(family: str, torch_backend: None) -> None:
+def test_pytorch_path_matches_float64(
+    family: str, torch_backend: None, native_log: _Records
+) -> None:
     torch.manual_seed(0)
     run, ops = FAMILIES[family]
     errs = run()
@@ -329,6 +375,8 @@ def test_pytorch_path_matches_float64(family: str, torch_backend: None) -> None:
     ops = tuple(op.removesuffix("_with_shared") for op in ops if op != "moe_decode_routed")
     for op in ops:
         assert kernels.PATHS.get(op) == {"torch"}, (op, kernels.PATHS)
+        logged = [line for line in native_log.lines if f"[{op}]: PyTorch ops" in line]
+        assert len(logged) == 1, native_log.lines  # once, however many calls
     assert not kernels.FUSED_USED
 
 
