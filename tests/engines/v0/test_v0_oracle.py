@@ -70,7 +70,8 @@ def _generate(llm: Any, prompts: list[list[int]], n: int = 1) -> list[Any]:
     from vllm import SamplingParams
 
     if n == 1:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        # logprobs=0: the chosen token's log-probability, compared with the oracle's.
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     else:
         # vLLM 0.6.3 refuses n > 1 with temperature 0; top_k = 1 samples the argmax all the same.
         params = SamplingParams(n=n, temperature=1.0, top_k=1, max_tokens=MAX_NEW, ignore_eos=True)
@@ -106,6 +107,13 @@ def test_greedy_matches_hf_with_chunked_prefill(llm: Any, oracle: dict[str, Any]
         want = oracle[name]["tokens"][:MAX_NEW]
         if got != want:
             bad.append(f"{name}: {_diverge(got, want)}")
+            continue
+        # Same math in float32 through different kernels: the chosen tokens' log-probabilities
+        # agree closely too (much more sensitive than the tokens of a random tiny model).
+        lps = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, got, strict=True)]
+        worst = max(abs(a - b) for a, b in zip(lps, oracle[name]["logprobs"], strict=False))
+        if worst >= 1e-3:
+            bad.append(f"{name}: chosen-token logprob differs by up to {worst:.3g}")
     assert not bad, "; ".join(bad)
 
 
