@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 # Bump when the output changes in a way the spec below does not capture (file layout, extra files).
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 SEED = 1234  # any fixed value
 BUILD_INFO = "tiny_model_build.json"
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "build" / "tiny-model"
@@ -248,10 +248,12 @@ def tokenizer_config(pkg: Any) -> dict[str, Any]:
         for idx, text in package_special_tokens(pkg)
     }
     return {
-        # tokenizer.json is complete; TokenizersBackend loads it as is. (transformers maps the
-        # qwen3_5_moe model type to Qwen3_5Tokenizer when config.json sits beside it; both paths
-        # are checked against the package in tests/test_tiny_model.py.)
-        "tokenizer_class": "TokenizersBackend",
+        # The class the real checkpoint names. tokenizer.json is complete, so transformers 5
+        # loads it as is, and so does the card's transformers 4.51.3 (Qwen2TokenizerFast),
+        # which knows no "TokenizersBackend" (what transformers 5 writes by default): the
+        # platform line's server failed to start on it. Both paths are checked against the
+        # package in tests/test_tiny_model.py.
+        "tokenizer_class": "Qwen2Tokenizer",
         "added_tokens_decoder": added,
         "bos_token": None,
         "eos_token": "<|im_end|>",
