@@ -15,9 +15,10 @@ import os
 from collections.abc import Callable
 
 import vllm.triton_utils
-from vllm.config import EngineConfig
+from vllm.config import EngineConfig, ModelConfig, SchedulerConfig
 from vllm.executor.executor_base import ExecutorBase
 from vllm.executor.gpu_executor import GPUExecutor, GPUExecutorAsync
+from vllm.logger import init_logger
 from vllm.worker.worker_base import WorkerBase
 
 if not hasattr(vllm.triton_utils, "maybe_set_triton_cache_manager"):
@@ -32,21 +33,31 @@ from vllm.executor.multiproc_gpu_executor import (  # noqa: E402 (needs the name
     MultiprocessingGPUExecutorAsync,
 )
 
+logger = init_logger(__name__)
 WORKER = ("vllm_standin.worker", "StandinWorker")
 
 
 class _StandinWorkerMixin:
     """Every stand-in executor builds ``StandinWorker`` where the card builds ``Worker``."""
 
-    scheduler_config: object
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
     speculative_config: object
+
+    def _init_executor(self) -> None:
+        if not self.model_config.enforce_eager:
+            # The card's vLLM hard-codes enforce_eager (shared/PLATFORM.md); a CPU has no CUDA
+            # graphs to capture either. Same outcome as on the card, said out loud.
+            logger.warning("stand-in: enforce_eager forced on, as the card's vLLM does")
+            self.model_config.enforce_eager = True
+        super()._init_executor()  # type: ignore[misc]
 
     def _get_worker_module_and_class(
         self,
     ) -> tuple[str, str, Callable[[], type[WorkerBase]] | None]:
         # Multi-step and speculative decoding build other worker classes around Worker; the
         # platform uses neither, so the stand-in refuses them rather than run them half-way.
-        if self.scheduler_config.is_multi_step or self.speculative_config:  # type: ignore[attr-defined]
+        if self.scheduler_config.is_multi_step or self.speculative_config:
             raise NotImplementedError(
                 "the stand-in runs the plain Worker only "
                 "(no multi-step scheduling, no speculative decoding)"

@@ -6,7 +6,8 @@ attention metadata builders, chunked prefill, prefix caching, ``request_ids_to_s
 engine). Only what needs a CUDA device is replaced:
 
 - ``init_device``: no ``torch.cuda.set_device`` / ``mem_get_info``; the process group is gloo
-  (vLLM's own ``init_distributed_environment``), so tensor parallel all-reduces run on CPU.
+  (vLLM's own ``init_distributed_environment``), and all-reduce / gather of CPU tensors work
+  over gloo (:func:`_collectives_on_gloo`), so tensor parallel runs across CPU processes.
 - ``determine_num_available_blocks``: still runs the profiling forward, but sizes the KV cache
   from ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1) instead of profiling device memory.
 - ``load_model``: vLLM's ``DeviceMemoryProfiler`` reads CUDA/XPU counters only (on the CPU
@@ -23,7 +24,13 @@ import psutil
 import torch
 import vllm.envs as envs
 from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-from vllm.distributed.parallel_state import set_custom_all_reduce
+from vllm.distributed.parallel_state import (
+    GroupCoordinator,
+    get_pp_group,
+    get_tp_group,
+    get_world_group,
+    set_custom_all_reduce,
+)
 from vllm.logger import init_logger
 from vllm.model_executor import set_random_seed
 from vllm.utils import GiB_bytes
@@ -74,6 +81,37 @@ def _no_cuda_synchronize() -> Iterator[None]:
         torch.cuda.synchronize = original
 
 
+def _collectives_on_gloo(group: GroupCoordinator) -> None:
+    """Make two of vLLM 0.6.3's collectives work on CPU tensors over gloo (this group only).
+
+    - all-reduce: upstream's ``_all_reduce_in_place`` sends a CPU tensor to Intel's IPEX, which
+      is neither on the card nor here; on the card the tensor is on the device and goes to
+      (ixformer's) NCCL. Here it goes to ``torch.distributed`` on the group's gloo device group,
+      as upstream does for any non-CPU tensor without pynccl.
+    - gather (the logits of a vocab-parallel LM head): upstream allocates the receive buffers
+      under the worker's ``inference_mode``; gloo fills them from its own thread, outside
+      inference mode, and torch 2.1 refuses the in-place write to an inference tensor. The same
+      gather with ordinary receive buffers.
+    """
+
+    def all_reduce_in_place(input_: torch.Tensor) -> None:
+        torch.distributed.all_reduce(input_, group=group.device_group)
+
+    def gather(input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        if group.world_size == 1:
+            return input_
+        dim = dim % input_.dim()
+        parts = None
+        if group.rank_in_group == dst:
+            with torch.inference_mode(False):
+                parts = [torch.empty_like(input_) for _ in range(group.world_size)]
+        torch.distributed.gather(input_, parts, dst=group.ranks[dst], group=group.device_group)
+        return None if parts is None else torch.cat(parts, dim=dim)
+
+    group._all_reduce_in_place = all_reduce_in_place  # type: ignore[method-assign]
+    group.gather = gather  # type: ignore[method-assign]
+
+
 class StandinWorker(Worker):
     """The card's worker class, on ``torch.device("cpu")``."""
 
@@ -93,6 +131,8 @@ class StandinWorker(Worker):
             pc.world_size, self.rank, self.distributed_init_method, self.local_rank, backend="gloo"
         )
         ensure_model_parallel_initialized(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        for group in (get_world_group(), get_tp_group(), get_pp_group()):
+            _collectives_on_gloo(group)
         set_random_seed(self.model_config.seed)
 
     def load_model(self) -> None:

@@ -19,8 +19,11 @@ backend (``vllm_overrides/engines/v0/attention.py``) computes what ``transformer
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -123,7 +126,16 @@ def _hf_greedy(model_dir: Path, prompts: dict[str, list[int]]) -> dict[str, list
     return out
 
 
-def test_card_paths_match_transformers(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module")
+def expected() -> dict[str, list[int]]:
+    """Hugging Face's greedy tokens for every prompt (the oracle of both tests)."""
+    tiny.build(MODEL_DIR)
+    return _hf_greedy(MODEL_DIR, _prompts())
+
+
+def test_card_paths_match_transformers(
+    model_dir: Path, expected: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from vllm import LLM, ModelRegistry, SamplingParams
     from vllm.utils import Device
     from vllm.worker.model_runner import ModelRunner
@@ -134,7 +146,6 @@ def test_card_paths_match_transformers(model_dir: Path, monkeypatch: pytest.Monk
     ModelRegistry.register_model(PROBE_ARCH, probe)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     prompts = _prompts()
-    expected = _hf_greedy(model_dir, prompts)
 
     llm = LLM(
         model=str(model_dir),
@@ -210,3 +221,31 @@ def test_card_paths_match_transformers(model_dir: Path, monkeypatch: pytest.Monk
         for rid in fin:
             assert any(rid in ids for ids, _, _, _ in steps[:i])
             assert all(rid not in ids for ids, _, _, _ in steps[i:])
+
+
+def test_tensor_parallel_2_matches_transformers(expected: dict[str, list[int]]) -> None:
+    """TP 2 on the stand-in: the card's multiprocessing executor with two CPU ranks (gloo)
+    shards the tiny Qwen2 (one kv head per rank) and still gives Hugging Face's tokens."""
+    prompts = _prompts()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("standin_tp2_run.py")),
+            str(MODEL_DIR),
+            json.dumps(prompts),
+            str(CHUNK),
+            str(NEW_TOKENS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result = json.loads(lines[-1])
+    assert result["executor"] == "StandinMPExecutor" and result["tp"] == 2
+    assert result["one_by_one"] == expected
+    assert result["batched"] == expected
