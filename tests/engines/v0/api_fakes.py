@@ -99,3 +99,31 @@ def make_chat(engine: FakeEngine, max_model_len: int = 4096) -> Any:
         lora_modules=None, prompt_adapters=None, request_logger=None,
         chat_template=str(TEMPLATE), enable_auto_tools=True, tool_parser="qwen3_coder",
     )  # fmt: skip
+
+
+def patched_module(patch: str, name: str) -> Any:
+    """The vLLM file ``patch`` changes, with the patch applied (by the project's patch engine,
+    whether or not the overlay is deployed), loaded as module ``name``; the installed vLLM is
+    left as it is."""
+    import importlib.util
+    import sys
+    import tempfile
+
+    import vllm
+
+    from vllm_overrides import patching
+
+    site = Path(vllm.__file__).resolve().parents[1]
+    (fp,) = patching.parse_patch((REPO / "patches" / "vllm-0.6.3" / patch).read_text("utf-8"))
+    lines = (site / fp.path).read_text(encoding="utf-8").splitlines(keepends=True)
+    state = patching._lines_state(lines, fp)
+    assert state in ("applied", "unapplied"), f"{fp.path}: {state}"
+    if state == "unapplied":
+        lines = patching._apply_hunks(lines, fp.hunks, reverse=False)
+    path = Path(tempfile.mkdtemp(prefix="vo-patched-")) / Path(fp.path).name
+    path.write_text("".join(lines), encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

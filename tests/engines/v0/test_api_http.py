@@ -4,12 +4,7 @@ copy, loaded as its own module), our middleware and serving classes, a scripted 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,25 +12,17 @@ import pytest
 
 pytest.importorskip("vllm.entrypoints.openai.api_server")
 
-from tests.engines.v0.api_fakes import REPO, TEMPLATE, FakeEngine, make_tokenizer  # noqa: E402
-
-PATCH = REPO / "patches" / "vllm-0.6.3" / "0010-api-server-install-v0-api.patch"
+from tests.engines.v0.api_fakes import (  # noqa: E402
+    TEMPLATE,
+    FakeEngine,
+    make_tokenizer,
+    patched_module,
+)
 
 
 @pytest.fixture(scope="module")
-def api_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import vllm
-
-    root = tmp_path_factory.mktemp("site")
-    target = root / "vllm" / "entrypoints" / "openai" / "api_server.py"
-    target.parent.mkdir(parents=True)
-    shutil.copy(Path(vllm.__file__).parent / "entrypoints/openai/api_server.py", target)
-    subprocess.run(["patch", "-p1", "--quiet", "-d", str(root), "-i", str(PATCH)], check=True)
-    spec = importlib.util.spec_from_file_location("vo_patched_api_server", target)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def api_server() -> Any:
+    return patched_module("0010-api-server-install-v0-api.patch", "vo_patched_api_server")
 
 
 def serve(api_server: Any, engine: FakeEngine, max_model_len: int = 4096) -> Any:
@@ -129,3 +116,24 @@ def test_budget_equal_to_the_context_is_fitted_not_refused(api_server) -> None:
                     {"model": "llm", "messages": USER, "max_tokens": 256})  # fmt: skip
     assert response.status_code == 200, response.text
     assert engine.params[0].max_tokens == 256 - len(engine.prompts[0])
+
+
+def test_an_image_for_a_text_only_model_is_a_400_not_an_engine_death(api_server) -> None:
+    engine = FakeEngine(make_tokenizer(), [[(0, "x", 1, "stop")]])
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]
+    app = serve(api_server, engine)
+    for path, body in (("/v1/chat/completions", {"model": "llm", "messages": messages}),
+                       ("/tokenize", {"model": "llm", "messages": messages})):  # fmt: skip
+        response = post(app, path, body)
+        assert response.status_code == 400, response.text
+        assert "messages[0].content[1]" in response.text
+    assert engine.prompts == []
+
+
+def test_tokenize_refuses_a_remote_image_unfetched(api_server) -> None:
+    engine = FakeEngine(make_tokenizer(), [])
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+    body = {"model": "llm", "messages": [{"role": "user", "content": [image]}]}
+    response = post(serve(api_server, engine), "/tokenize", body)
+    assert response.status_code == 400 and "error" in response.json()

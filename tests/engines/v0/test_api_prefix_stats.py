@@ -4,16 +4,12 @@ prompt."""
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.engines.v0.api_fakes import patched_module
 from vllm_overrides.engines.v0.prefix_stats import skipped_tokens
 
 REPO = Path(__file__).resolve().parents[3]
@@ -35,33 +31,16 @@ def test_the_runner_rule(prefix, context, chunk, skipped) -> None:
     assert skipped_tokens(prefix, context, chunk) == skipped
 
 
-def _patched(tmp: Path, rel: str, patch: str) -> Any:
-    import vllm
-
-    target = tmp / rel
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(Path(vllm.__file__).parent.parent / rel, target)
-    subprocess.run(
-        ["patch", "-p1", "--quiet", "-d", str(tmp), "-i", str(PATCHES / patch)], check=True
-    )
-    name = "vo_patched_" + rel.replace("/", "_")[:-3]
-    spec = importlib.util.spec_from_file_location(name, target)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_repeated_prompt_reports_its_cached_blocks(tmp_path: Path) -> None:
     pytest.importorskip("vllm.core.scheduler")
     from vllm.config import CacheConfig, SchedulerConfig
     from vllm.sampling_params import SamplingParams
     from vllm.sequence import Sequence, SequenceGroup
 
-    scheduler_mod = _patched(
-        tmp_path, "vllm/core/scheduler.py", "0012-scheduler-count-prefix-cache-hits.patch"
+    scheduler_mod = patched_module(
+        "0012-scheduler-count-prefix-cache-hits.patch", "vo_patched_scheduler"
     )
-    outputs_mod = _patched(tmp_path, "vllm/outputs.py", "0013-request-output-cached-tokens.patch")
+    outputs_mod = patched_module("0013-request-output-cached-tokens.patch", "vo_patched_outputs")
     block = 4
     cache = CacheConfig(block_size=block, gpu_memory_utilization=1.0, swap_space=0,
                         cache_dtype="auto", enable_prefix_caching=True)  # fmt: skip

@@ -45,12 +45,15 @@ from vllm_overrides.engines.v0.request_rules import (
 from vllm_overrides.request_compat import (
     CompatError,
     ServerLimits,
+    check_media_urls,
     default_max_tokens,
     normalize_chat_request,
     normalize_completion_request,
 )
 
 logger = logging.getLogger("vllm.overrides.v0.api")
+
+TOKENIZE_PATH = "/tokenize"
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -92,10 +95,34 @@ class V0CompatMiddleware:
             await send(message)
 
         path = scope.get("path", "")
-        if scope.get("method") != "POST" or path not in (CHAT_PATH, COMPLETIONS_PATH):
-            await self.app(scope, receive, send_with_version)
+        try:
+            if scope.get("method") == "POST" and path in (CHAT_PATH, COMPLETIONS_PATH):
+                await self._openai_request(scope, receive, send_with_version, path == CHAT_PATH)
+            elif scope.get("method") == "POST" and path == TOKENIZE_PATH:
+                await self._tokenize_request(scope, receive, send_with_version)
+            else:
+                await self.app(scope, receive, send_with_version)
+        finally:
+            # A request that met a dead engine: vLLM stops the server right after this
+            # response, before the watchdog's next look; record the death now.
+            note_engine_state(scope.get("app"))
+
+    async def _tokenize_request(self, scope: Scope, receive: Any, send: Any) -> None:
+        """/tokenize renders messages too: the same media URL rule as chat (nothing fetched)."""
+        raw, disconnect = await _read_body(receive)
+        if disconnect is not None:
             return
-        await self._openai_request(scope, receive, send_with_version, chat=path == CHAT_PATH)
+        try:
+            decoded = json.loads(raw) if raw else None
+        except (ValueError, RecursionError):
+            decoded = None  # vLLM's own validation answers it
+        if isinstance(decoded, dict) and isinstance(decoded.get("messages"), list):
+            try:
+                check_media_urls(decoded)
+            except CompatError as exc:
+                await _send_json(send, exc.status, exc.body())
+                return
+        await self.app(scope, _replay(raw, receive), send)
 
     def _rewrite(self, decoded: Any, limits: ServerLimits, chat: bool) -> tuple[bytes, str | None]:
         if not isinstance(decoded, dict):
@@ -130,15 +157,6 @@ class V0CompatMiddleware:
                 await _send_json(send, exc.status, exc.body())
                 return
 
-        delivered = False
-
-        async def replay_body() -> Message:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
         drop = (b"content-length", MARKER_HEADER)
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in drop]
         headers.append((b"content-length", str(len(body)).encode()))
@@ -153,12 +171,26 @@ class V0CompatMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, replay_body, send_tracked)
+            await self.app(scope, _replay(body, receive), send_tracked)
         except Exception as exc:
             if started or not _raised_by_body_validation(exc):
                 raise
             reason = f"{type(exc).__name__}: {exc}"[:300]
             await _send_json(send, 400, CompatError(f"invalid request body ({reason})").body())
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A ``receive`` that gives ``body`` once, then the client's own messages (disconnects)."""
+    delivered = False
+
+    async def replay_body() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay_body
 
 
 # ---- engine death -------------------------------------------------------------------------
@@ -183,18 +215,27 @@ def _engine_errored(app: Any) -> bool:
         return True
 
 
+def note_engine_state(app: Any) -> None:
+    """Record the engine's death if it is dead now (called after every request)."""
+    if _dead["since"] is None and app is not None and _engine_errored(app):
+        _dead["since"] = time.monotonic()
+        logger.error("engine is dead; the API server exits with status %d", EXIT_CODE)
+
+
 def _exit_status_hook() -> None:
     if _dead["since"] is not None:
         os._exit(EXIT_CODE)
 
 
 def _watch(app: Any, poll_s: float, exit_deadline_s: float) -> None:
-    while not _engine_errored(app):
+    while not _engine_errored(app) and _dead["since"] is None:
         time.sleep(poll_s)
-    _dead["since"] = time.monotonic()
-    logger.error(
-        "engine is dead; the API server exits with status %d so that it is restarted", EXIT_CODE
-    )
+    if _dead["since"] is None:
+        _dead["since"] = time.monotonic()
+        logger.error(
+            "engine is dead; the API server exits with status %d so that it is restarted",
+            EXIT_CODE,
+        )
     # vLLM 0.6.3 stops its server only when a request meets the dead engine: ask it to stop
     # now (its SIGTERM handler shuts the server and the engine down), then force the status.
     os.kill(os.getpid(), signal.SIGTERM)

@@ -37,6 +37,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.logger import init_logger
 from vllm.utils import random_uuid
 
@@ -96,6 +97,38 @@ def calls_from_list(text: str) -> list[dict[str, Any]] | None:
     return calls
 
 
+MEDIA_PARTS = ("image_url", "audio_url", "video_url")
+
+
+def _media_param(messages: Any) -> str | None:
+    """The first media part of ``messages`` (as ``messages[i].content[j]``), or None."""
+    for i, message in enumerate(messages or []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+                return f"messages[{i}].content[{j}]"
+    return None
+
+
+def _refuse_media(serving: Any, messages: Any) -> ErrorResponse | None:
+    """Media sent to a model that takes none is the client's error, caught before the engine.
+
+    vLLM 0.6.3 lets one image per prompt through to any model (its default limit is 1 per
+    modality); a text-only model's engine then fails on it and the whole engine goes down.
+    """
+    if getattr(serving.model_config, "multimodal_config", None) is not None:
+        return None
+    where = _media_param(messages)
+    if where is None:
+        return None
+    return ErrorResponse(
+        message=f"{where}: this model takes text only; media input is not supported",
+        type="BadRequestError",
+        param=where,
+        code=400,
+    )
+
+
 class _BudgetFit:
     """``max_tokens`` above what the prompt leaves is fitted to it (0.6.3 answers 400)."""
 
@@ -112,6 +145,11 @@ class _BudgetFit:
 def _think_ids(tokenizer: Any) -> tuple[int | None, int | None]:
     vocab = tokenizer.get_vocab()
     return vocab.get(THINK_OPEN), vocab.get(THINK_CLOSE)
+
+
+def _compact(payload: dict[str, Any]) -> str:
+    """JSON as vLLM's own events are written (pydantic: no spaces, UTF-8 kept)."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
 
 def _usage_details(usage: dict[str, Any], cached: int | None) -> None:
@@ -178,6 +216,9 @@ class _Tap:
 
 class V0ServingChat(_BudgetFit, OpenAIServingChat):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Any = None):
+        refused = _refuse_media(self, request.messages)
+        if refused is not None:
+            return refused
         marker = None
         if raw_request is not None:
             marker = raw_request.headers.get(MARKER_HEADER.decode())
@@ -346,7 +387,7 @@ class _StreamRewriter:
             if self.required_list:
                 self._required(choice)
         self._usage(payload)
-        return [f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"]
+        return [f"data: {_compact(payload)}\n\n"]
 
 
 class _DumpedCompletionResponse(CompletionResponse):
@@ -414,7 +455,21 @@ def _completion_usage(event: str, counts: dict[int, int], cached: dict[int, int]
         _usage_details(usage, sum(cached.values()) if cached else None)
     usage["completion_tokens"] = done
     usage["total_tokens"] = usage.get("prompt_tokens", 0) + done
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {_compact(payload)}\n\n"
 
 
-__all__ = ["V0ServingChat", "V0ServingCompletion", "ErrorResponse"]
+class V0ServingTokenization(OpenAIServingTokenization):
+    async def create_tokenize(self, request: Any) -> Any:
+        refused = _refuse_media(self, getattr(request, "messages", None))
+        if refused is not None:
+            return refused
+        try:
+            return await super().create_tokenize(request)
+        except Exception as exc:  # noqa: BLE001 - as 0.6.3's chat path: the input could not be read
+            # 0.6.3 answers chat requests whose media cannot be loaded with a 400, but lets the
+            # same failure escape /tokenize as a 500.
+            logger.info("tokenize request refused: %s", exc)
+            return self.create_error_response(f"{type(exc).__name__}: {exc}"[:300])
+
+
+__all__ = ["V0ServingChat", "V0ServingCompletion", "V0ServingTokenization"]
