@@ -13,6 +13,20 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+# The 0.32.0 line's glue (vllm_overrides.native.engine: torch.library.custom_op, torch 2.4+) and
+# the tests that drive it are not collected on an older torch (the card's 2.1: .venv-v0). The
+# shared ops they would also touch are covered there by tests/engines/v0/test_torch21_floor.py.
+collect_ignore = (
+    []
+    if hasattr(torch.library, "custom_op")
+    else [
+        "test_decode_gemv_switch.py",
+        "test_engine_moe.py",
+        "test_gdn_checkpoint.py",
+        "test_gdn_in_proj_merge.py",
+    ]
+)
+
 
 @pytest.fixture(autouse=True)
 def _one_cpu_thread() -> Iterator[None]:

@@ -117,6 +117,11 @@ def test_shared_expert_vs_reference() -> None:
     assert rel_err(moe.shared_expert(x, gu, d), ref.shared_expert_reference(x, gu, d)) <= FP32_TOL
 
 
+@pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 4),
+    reason="the 0.32.0 line's capture check; the card's V0 engine runs its torch 2.1 eager, and "
+    "2.1's Dynamo cannot trace Tensor.element_size()",
+)
 @pytest.mark.parametrize("method", ["gather", "grouped", "dense"])
 def test_decode_compiles_fullgraph(method: str) -> None:
     """Capture-safety proxy: routing + experts trace as one graph (backend="eager": quick)."""
