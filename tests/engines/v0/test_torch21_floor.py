@@ -355,11 +355,18 @@ def run_families() -> dict[str, dict[str, float]]:
 
 
 @pytest.fixture
-def torch_backend() -> None:
-    kernels.set_backend("auto")  # CPU tensors: the PyTorch ops (the card's CPU-side default)
+def torch_backend() -> Iterator[None]:
+    """CPU tensors on the PyTorch ops (what the stand-in's engine runs by default), whatever
+    another test of the session left behind; path records cleared, so the first call logs."""
+    mode, emulated = kernels._mode, kernels._emulated
+    kernels.set_backend("auto")
+    kernels.disable_cpu_emulation()
     kernels.PATHS.clear()
     kernels.TORCH_USED.clear()
     kernels.FUSED_USED.clear()
+    yield
+    kernels.set_backend(mode)
+    kernels._emulated = emulated
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
