@@ -110,20 +110,22 @@ def _prompts() -> dict[str, list[int]]:
     }
 
 
-def _hf_greedy(model_dir: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+def _hf_greedy(
+    model_dir: Path, prompts: dict[str, list[int]], new_tokens: int = NEW_TOKENS
+) -> dict[str, list[int]]:
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     # No end-of-sequence token: both sides generate exactly NEW_TOKENS (generate() would fill
     # an unset eos_token_id in from the model's own generation config).
     model.generation_config = GenerationConfig()
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     out = {}
     with torch.no_grad():
         for name, ids in prompts.items():
             seq = model.generate(torch.tensor([ids]), generation_config=config)
             out[name] = seq[0, len(ids) :].tolist()
-            assert len(out[name]) == NEW_TOKENS
+            assert len(out[name]) == new_tokens
     return out
 
 
@@ -254,3 +256,38 @@ def test_tensor_parallel_2_matches_transformers(expected: dict[str, list[int]]) 
     assert result["executor"] == "StandinMPExecutor" and result["tp"] == 2
     assert result["one_by_one"] == expected
     assert result["batched"] == expected
+
+
+def test_swap_preemption_matches_transformers() -> None:
+    """Too few KV blocks for four requests: the scheduler swaps sequences out to the CPU cache
+    and back in (the worker's cache operations, our backend's ``swap_blocks``), as on the card
+    under memory pressure, and every request still gets Hugging Face's tokens."""
+    from vllm import LLM, SamplingParams
+
+    tiny.build(MODEL_DIR)
+    rng = random.Random(3)
+    prompts = {f"p{i}": [rng.randrange(2, tiny.VOCAB) for _ in range(60)] for i in range(4)}
+    new_tokens = 40  # 100 tokens = 7 blocks a request; 16 blocks hold two of them
+    expected = _hf_greedy(MODEL_DIR, prompts, new_tokens)
+    llm = LLM(
+        model=str(MODEL_DIR),
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+        block_size=BLOCK,
+        max_model_len=160,
+        swap_space=0.05,
+        num_gpu_blocks_override=16,
+        preemption_mode="swap",
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    outs = llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompts.values()], params, use_tqdm=False
+    )
+    assert llm.llm_engine.scheduler[0].num_cumulative_preemption > 0
+    got = {n: list(o.outputs[0].token_ids) for n, o in zip(prompts, outs, strict=True)}
+    assert got == expected
