@@ -137,3 +137,20 @@ def test_tokenize_refuses_a_remote_image_unfetched(api_server) -> None:
     body = {"model": "llm", "messages": [{"role": "user", "content": [image]}]}
     response = post(serve(api_server, engine), "/tokenize", body)
     assert response.status_code == 400 and "error" in response.json()
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"model": "other", "messages": USER}, 404),  # vLLM's own unknown-model answer
+        ({"model": "llm", "messages": USER, "temperature": "hot"}, 400),  # its validation
+        ({"model": "llm", "messages": USER, "top_p": 0}, 400),  # its SamplingParams check
+    ],
+)
+def test_vllms_own_errors_get_openais_error_body(api_server, body, status) -> None:
+    engine = FakeEngine(make_tokenizer(), [[(0, "x", 1, "stop")]])
+    response = post(serve(api_server, engine), "/v1/chat/completions", body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] and error["code"] == status
+    assert int(response.headers["content-length"]) == len(response.content)

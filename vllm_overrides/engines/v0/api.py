@@ -9,7 +9,9 @@
   (``request_rules``) to chat and completion bodies; a rejected request is an OpenAI-style 4xx
   that never reaches the engine;
 - answers a body that is not a JSON object, or that 0.6.3's validators trip over with
-  something other than a validation error (a 500 there), with a 400.
+  something other than a validation error (a 500 there), with a 400;
+- gives every JSON error answer OpenAI's body, ``{"error": {...}}`` (0.6.3 answers with the
+  bare error object, which OpenAI clients and the platform's checks do not read as an error).
 
 Reasoning, ``tool_choice`` none / required, budget fitting and stream usage are done by the
 serving subclasses (``serving.py``) that patch 0010 puts in place of 0.6.3's.
@@ -89,10 +91,12 @@ class V0CompatMiddleware:
             await self.app(scope, receive, send)
             return
 
-        async def send_with_version(message: Message) -> None:
+        async def send_versioned(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = _with_header(message, VERSION_HEADER, __version__.encode())
             await send(message)
+
+        send_with_version = _ErrorBodySender(send_versioned)
 
         path = scope.get("path", "")
         try:
@@ -177,6 +181,47 @@ class V0CompatMiddleware:
                 raise
             reason = f"{type(exc).__name__}: {exc}"[:300]
             await _send_json(send, 400, CompatError(f"invalid request body ({reason})").body())
+
+
+def openai_error_body(body: bytes) -> bytes:
+    """vLLM 0.6.3's error body (``{"object": "error", "message", ...}``) in OpenAI's form,
+    ``{"error": {"message", "type", "param", "code"}}``, as vLLM 0.32.0 and OpenAI answer."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(payload, dict) or payload.get("object") != "error":
+        return body
+    error = {key: payload.get(key) for key in ("message", "type", "param", "code")}
+    return json.dumps({"error": error}).encode()
+
+
+class _ErrorBodySender:
+    """Wraps ``send``: a JSON error answer (status >= 400) gets OpenAI's error body."""
+
+    def __init__(self, send: Any) -> None:
+        self.send = send
+        self.start: Message | None = None
+        self.chunks: list[bytes] = []
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            ctype = dict(message.get("headers", [])).get(b"content-type", b"")
+            if message.get("status", 200) >= 400 and ctype.startswith(b"application/json"):
+                self.start = message  # held until the body is complete
+                return
+            await self.send(message)
+            return
+        if self.start is None or message["type"] != "http.response.body":
+            await self.send(message)
+            return
+        self.chunks.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        body = openai_error_body(b"".join(self.chunks))
+        start, self.start = self.start, None
+        await self.send(_with_header(start, b"content-length", str(len(body)).encode()))
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def _replay(body: bytes, receive: Any) -> Any:
