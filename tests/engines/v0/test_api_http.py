@@ -25,13 +25,15 @@ def api_server() -> Any:
     return patched_module("0010-api-server-install-v0-api.patch", "vo_patched_api_server")
 
 
-def serve(api_server: Any, engine: FakeEngine, max_model_len: int = 4096) -> Any:
+def serve(
+    api_server: Any, engine: FakeEngine, max_model_len: int = 4096, extra: tuple[str, ...] = ()
+) -> Any:
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils import FlexibleArgumentParser
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(
         ["--model", "llm", "--served-model-name", "llm", "--chat-template", str(TEMPLATE),
-         "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]
+         "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", *extra]
     )  # fmt: skip
     app = api_server.build_app(args)
     model_config = SimpleNamespace(
@@ -154,3 +156,11 @@ def test_vllms_own_errors_get_openais_error_body(api_server, body, status) -> No
     error = response.json()["error"]
     assert error["message"] and error["code"] == status
     assert int(response.headers["content-length"]) == len(response.content)
+
+
+def test_more_sequences_than_the_scheduler_runs_is_a_400(api_server) -> None:
+    engine = FakeEngine(make_tokenizer(), [[(0, "x", 1, "stop")]])
+    app = serve(api_server, engine, extra=("--max-num-seqs", "1"))
+    response = post(app, "/v1/chat/completions", {"model": "llm", "messages": USER, "n": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+    assert engine.prompts == []  # 0.6.3 would queue it forever, ahead of every later prompt

@@ -78,11 +78,27 @@ def _server_limits(scope: Scope) -> ServerLimits | None:
     return ServerLimits(max_model_len, default_max_tokens())
 
 
+def check_parallel_sequences(body: dict[str, Any], max_num_seqs: int | None) -> None:
+    """``n`` / ``best_of`` above ``--max-num-seqs`` is a 400: 0.6.3's scheduler never admits
+    such a request, and as the head of its queue it holds back every prompt behind it."""
+    if max_num_seqs is None:
+        return
+    for name in ("best_of", "n"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > max_num_seqs:
+            raise CompatError(
+                f"'{name}' is {value}, more sequences than this server runs at once "
+                f"(--max-num-seqs {max_num_seqs})",
+                name,
+            )
+
+
 class V0CompatMiddleware:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, max_num_seqs: int | None = None) -> None:
         from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
         self.app = app
+        self.max_num_seqs = max_num_seqs
         self.chat_fields = _known_fields(ChatCompletionRequest)
         self.completion_fields = _known_fields(CompletionRequest)
 
@@ -131,6 +147,7 @@ class V0CompatMiddleware:
     def _rewrite(self, decoded: Any, limits: ServerLimits, chat: bool) -> tuple[bytes, str | None]:
         if not isinstance(decoded, dict):
             raise CompatError("the request body must be a JSON object")
+        check_parallel_sequences(decoded, self.max_num_seqs)
         if chat:
             body = normalize_chat_request(decoded, limits)
             marker = adapt_chat_body(body, self.chat_fields)
@@ -329,5 +346,7 @@ def install_api_compat(app: Any, args: Namespace) -> None:
     # Registers qwen3_coder when --tool-parser-plugin was not given (after the flag check).
     import vllm_overrides.engines.v0.tool_parser  # noqa: F401
 
-    app.add_middleware(V0CompatMiddleware)
+    # The engine's default when the flag is absent (vLLM 0.6.3: 256).
+    max_num_seqs = getattr(args, "max_num_seqs", None) or 256
+    app.add_middleware(V0CompatMiddleware, max_num_seqs=max_num_seqs)
     install_engine_watchdog(app)
