@@ -8,7 +8,7 @@ MODEL ?= build/tiny-model
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint deploy model clean-venv preflight image-test fuzz load replay cache-sim \
+.PHONY: setup serve serve-v1 test lint deploy model clean-venv preflight image-test fuzz load replay cache-sim \
 	kernel-resources setup-v0 deploy-v0 test-v0
 
 # The platform line's stand-in (Python 3.10, torch 2.1.2, vLLM 0.6.3's Python layer):
@@ -39,7 +39,12 @@ model: $(MODEL)/config.json
 
 setup: deploy model
 
-serve: setup
+# The platform line on the stand-in (vLLM 0.6.3's V0 engine), from computility-run.yaml.
+serve: deploy-v0 model
+	$(PY_V0) -m vllm_overrides.launcher --cpu --model $(MODEL) --host 127.0.0.1 --port $(PORT)
+
+# The 0.32.0 reference line, from its own launch file.
+serve-v1: setup
 	$(PY) -m vllm_overrides.launcher --cpu --model $(MODEL) --host 127.0.0.1 --port $(PORT)
 
 # Both lines: the platform line (vLLM 0.6.3 stand-in) first, then the 0.32.0 reference line.

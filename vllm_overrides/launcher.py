@@ -14,7 +14,8 @@ is the one for the vLLM installed beside this module (``COMPUTILITY_RUN_YAML`` o
 vLLM's CPU Gated-DeltaNet kernel only runs in bf16; 0.6.3: ``float32``, our ops in exact
 arithmetic, as the oracle tests run them), tensor parallel 1 unless ``--tp`` says otherwise,
 and, unless the caller set them, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM otherwise reserves
-one of two cores, doubling prefill time) and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache).
+one of two cores, doubling prefill time), ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) and a
+long ``VLLM_RPC_TIMEOUT`` (the V0 engine's heartbeat; see ``CPU_ENV_DEFAULTS``).
 Paths under ``/workspace/`` (where the image keeps the overlay) resolve to this checkout when the
 directory does not exist. Environment variables set by the caller win over the file's ``env``.
 """
@@ -59,7 +60,14 @@ DEFAULT_CONFIG = default_config()
 CPU_DTYPE = {"0.32.0": "bfloat16"}
 CPU_DTYPE_DEFAULT = "float32"
 WORKSPACE = "/workspace/"
-CPU_ENV_DEFAULTS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# VLLM_RPC_TIMEOUT: V0's API server declares the engine dead when its heartbeat thread is silent
+# that long (ms); on two shared CPU cores, 100x slower than the card, one busy step starved it
+# past the YAML's 60 s and the server exited mid-test.
+CPU_ENV_DEFAULTS = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_RPC_TIMEOUT": "600000",
+}
 # Flags that name the same option; the first spelling is the one we write.
 ALIASES = {"--tensor-parallel-size": ("--tensor-parallel-size", "-tp")}
 

@@ -49,6 +49,8 @@ def test_the_platform_settings(config) -> None:
     assert args.chat_template == "/workspace/chat_template_multi_system.jinja"
     assert args.gpu_memory_utilization < 0.95  # 0.95 ran out of memory at start-up
     assert config.env["ENABLE_CUSTOM_IPC"] == "1"
+    # The engine's heartbeat outlasts a long prefill chunk (VLLM_RPC_TIMEOUT, ms).
+    assert int(config.env["VLLM_RPC_TIMEOUT"]) >= 60000
 
 
 def test_a_flag_063_does_not_know_is_no_go(config) -> None:
@@ -64,3 +66,4 @@ def test_cpu_launch_runs_float32_on_one_rank(config) -> None:
     # /workspace paths resolve to this checkout where /workspace does not exist.
     assert get_flag(argv, "--chat-template") == str(REPO_DIR / "chat_template_multi_system.jinja")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert int(env["VLLM_RPC_TIMEOUT"]) > int(config.env["VLLM_RPC_TIMEOUT"])
