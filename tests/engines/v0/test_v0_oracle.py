@@ -133,3 +133,46 @@ def test_gdn_slots_are_freed_with_their_requests(llm: Any) -> None:
     _generate(llm, [[4, 5, 6]])
     assert model.states is not None
     assert model.states.slots_in_use() <= 1, model.states._slots
+
+
+_TP2_SCRIPT = r"""
+import json, os, sys
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm_overrides.engines.v0 import register
+register()  # inherited by the forked worker process
+from vllm import LLM, SamplingParams
+prompts, budget, max_new = json.loads(sys.argv[1])
+llm = LLM(model=sys.argv[2], dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+          enable_chunked_prefill=True, max_num_batched_tokens=budget, max_num_seqs=16,
+          max_model_len=4096, seed=0, tensor_parallel_size=2,
+          distributed_executor_backend="mp")
+params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+"""
+
+
+def test_tp2_greedy_matches_hf(oracle: dict[str, Any]) -> None:
+    """Tensor parallel 2 on the stand-in (two CPU ranks over gloo, the card's multiprocessing
+    executor): attention heads, GDN heads and expert/shared intermediate sizes split over the
+    ranks must give the same tokens. A separate process: vLLM's parallel groups are per
+    process, and this one may already hold TP 1's."""
+    import subprocess
+    import sys
+
+    names = ["len20", "len500", "len2000", "batch0"]
+    args = json.dumps([[oracle[n]["prompt"] for n in names], MAX_NUM_BATCHED_TOKENS, MAX_NEW])
+    env = {**os.environ, "PYTHONPATH": str(TINY_MODEL.parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-c", _TP2_SCRIPT, args, str(TINY_MODEL)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"TP 2 run failed:\n{proc.stderr[-4000:]}"
+    got_all = json.loads(lines[-1][len("RESULT ") :])
+    bad = []
+    for name, got in zip(names, got_all, strict=True):
+        want = oracle[name]["tokens"][:MAX_NEW]
+        if got != want:
+            bad.append(f"{name}: {_diverge(got, want)}")
+    assert not bad, "; ".join(bad)
