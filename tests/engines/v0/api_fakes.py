@@ -88,7 +88,9 @@ class FakeEngine:
 def make_chat(engine: FakeEngine, max_model_len: int = 4096) -> Any:
     from vllm.entrypoints.openai.serving_engine import BaseModelPath
 
-    from vllm_overrides.engines.v0.serving import V0ServingChat
+    from vllm_overrides.engines.v0.serving import SCHEDULER, V0ServingChat
+
+    SCHEDULER["max_num_seqs"] = None  # a server's setting; an HTTP test may have set one
 
     model_config = SimpleNamespace(
         max_model_len=max_model_len, multimodal_config=None,

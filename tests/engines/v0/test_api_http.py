@@ -158,9 +158,26 @@ def test_vllms_own_errors_get_openais_error_body(api_server, body, status) -> No
     assert int(response.headers["content-length"]) == len(response.content)
 
 
-def test_more_sequences_than_the_scheduler_runs_is_a_400(api_server) -> None:
+def test_more_choices_than_the_scheduler_runs_are_served_one_by_one(api_server) -> None:
+    engine = FakeEngine(make_tokenizer(), [[(0, "x", 1, "length")]])
+    app = serve(api_server, engine, extra=("--max-num-seqs", "1"))
+    body = {"model": "llm", "messages": USER, "n": 2, "seed": 5, "max_tokens": 1}
+    response = post(app, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert [c["index"] for c in response.json()["choices"]] == [0, 1]
+    # two one-sequence requests (0.6.3 never admits a two-sequence group on one slot)
+    assert [(p.n, p.seed) for p in engine.params] == [(1, 5), (1, 6)]
+    assert response.json()["usage"]["completion_tokens"] == 2
+    stream = post(app, "/v1/chat/completions", {**body, "stream": True})
+    indices = {c["index"] for e in stream.text.split("\n\n") if e.startswith("data: {")
+               for c in json.loads(e[6:])["choices"]}  # fmt: skip
+    assert indices == {0, 1}
+
+
+def test_best_of_wider_than_the_scheduler_is_a_400(api_server) -> None:
     engine = FakeEngine(make_tokenizer(), [[(0, "x", 1, "stop")]])
     app = serve(api_server, engine, extra=("--max-num-seqs", "1"))
-    response = post(app, "/v1/chat/completions", {"model": "llm", "messages": USER, "n": 2})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
-    assert engine.prompts == []  # 0.6.3 would queue it forever, ahead of every later prompt
+    body = {"model": "llm", "prompt": "hi", "best_of": 2, "max_tokens": 1}
+    response = post(app, "/v1/completions", body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "best_of"
+    assert engine.prompts == []

@@ -79,11 +79,11 @@ def _server_limits(scope: Scope) -> ServerLimits | None:
 
 
 def check_parallel_sequences(body: dict[str, Any], max_num_seqs: int | None) -> None:
-    """``n`` / ``best_of`` above ``--max-num-seqs`` is a 400: 0.6.3's scheduler never admits
-    such a request, and as the head of its queue it holds back every prompt behind it."""
+    """``best_of`` above ``--max-num-seqs`` is a 400: 0.6.3's scheduler never admits such a
+    request, and as the head of its queue it holds back every prompt behind it."""
     if max_num_seqs is None:
         return
-    for name in ("best_of", "n"):
+    for name in ("best_of",):  # a wider n is served choice by choice (serving._FanOutClient)
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > max_num_seqs:
             raise CompatError(
@@ -349,4 +349,7 @@ def install_api_compat(app: Any, args: Namespace) -> None:
     # The engine's default when the flag is absent (vLLM 0.6.3: 256).
     max_num_seqs = getattr(args, "max_num_seqs", None) or 256
     app.add_middleware(V0CompatMiddleware, max_num_seqs=max_num_seqs)
+    from vllm_overrides.engines.v0.serving import SCHEDULER
+
+    SCHEDULER["max_num_seqs"] = max_num_seqs
     install_engine_watchdog(app)

@@ -22,6 +22,7 @@ outputs and rewriting what it yields.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -214,7 +215,94 @@ class _Tap:
                 yield single
 
 
+# Set from the server's arguments by ``api.install_api_compat`` (the serving classes are built
+# by vLLM from the engine's model config, which does not carry the scheduler's limits).
+SCHEDULER = {"max_num_seqs": None}
+
+
+class _FanOutClient:
+    """The engine client, with ``n`` above ``--max-num-seqs`` served as ``n`` one-sequence
+    requests, merged back into one answer.
+
+    0.6.3's scheduler never admits a sequence group wider than ``max_num_seqs`` (and at the
+    head of its queue it would hold back every later prompt); vLLM 0.32.0 serves such a
+    request one choice after the other. The choices are the same kind of samples: each its own
+    request, with ``seed + i`` where the client gave a seed so that the choices differ.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def generate(self, inputs: Any, params: Any, request_id: str, **kw: Any) -> Any:
+        limit = SCHEDULER["max_num_seqs"]
+        n = getattr(params, "n", 1) or 1
+        if limit is None or n <= limit or getattr(params, "_real_n", None):
+            return self._client.generate(inputs, params, request_id, **kw)
+        return self._fan_out(inputs, params, request_id, n, **kw)
+
+    async def _fan_out(self, inputs: Any, params: Any, request_id: str, n: int, **kw: Any):
+        from vllm.sampling_params import RequestOutputKind
+
+        subs = []
+        for i in range(n):
+            one = params.clone()
+            one.n, one.best_of = 1, None
+            if params.seed is not None:
+                one.seed = params.seed + i
+            subs.append(self._client.generate(inputs, one, f"{request_id}-{i}", **kw))
+        if params.output_kind != RequestOutputKind.DELTA:
+            finals = []
+            for i, sub in enumerate(subs):  # the engine queues them; awaited in order
+                last = None
+                async for res in sub:
+                    last = res
+                for output in last.outputs:
+                    output.index = i
+                finals.append(last)
+            merged = finals[0]
+            merged.outputs = [o for res in finals for o in res.outputs]
+            cached = [getattr(r, "num_cached_tokens", None) for r in finals]
+            if cached[0] is not None:
+                merged.num_cached_tokens = cached[0]
+            yield merged
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, sub: Any) -> None:
+            try:
+                async for res in sub:
+                    for output in res.outputs:
+                        output.index = i
+                    await queue.put(res)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                await queue.put(exc)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.ensure_future(pump(i, sub)) for i, sub in enumerate(subs)]
+        try:
+            done = 0
+            while done < n:
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
 class V0ServingChat(_BudgetFit, OpenAIServingChat):
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.engine_client = _FanOutClient(self.engine_client)
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Any = None):
         refused = _refuse_media(self, request.messages)
         if refused is not None:
