@@ -7,6 +7,10 @@ launcher; ``/workspace`` exists inside the image, so its paths stay as the file 
 puts the file's own interpreter (``python3``) back as argv[0], where the launcher writes the
 interpreter running it. Nothing else changes: the argv and env are the launcher's.
 
+The image is the platform line's (vLLM 0.6.3), so the file is ``computility-run.yaml`` and this
+interpreter must have vLLM 0.6.3 installed (the stand-in venv, ``.venv-v0``): the launcher's CPU
+settings (``--cpu``) are those of the installed engine generation.
+
 Output ``nul`` (for bash ``mapfile -d ''``): ``E``/``NAME=VALUE`` pairs for the environment, then
 ``A``/argument pairs for the command, each field NUL-terminated. ``json``: ``{"argv", "env"}``.
 ``shell``: ``-e NAME=VALUE ... -- ARGV`` quoted for a shell, for display.
@@ -24,11 +28,19 @@ from pathlib import Path
 REPO_DIR = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_DIR))
 
-from vllm_overrides.launcher import DEFAULT_CONFIG, load_run_config  # noqa: E402
+from vllm_overrides.launcher import PLATFORM_CONFIG, installed_vllm, load_run_config  # noqa: E402
+
+IMAGE_VLLM = "0.6.3"  # the engine of the image (the platform's base, or its stand-in)
 
 
-def container_launch(launcher_args: list[str], config: Path = DEFAULT_CONFIG) -> dict:
+def container_launch(launcher_args: list[str], config: Path = PLATFORM_CONFIG) -> dict:
     """Return {"argv": [...], "env": {...}} for the container from the launcher's --print."""
+    if installed_vllm() != IMAGE_VLLM:
+        raise SystemExit(
+            f"{sys.executable} has vLLM {installed_vllm()}, the image {IMAGE_VLLM}: run this with "
+            "the stand-in venv's interpreter (.venv-v0/bin/python), whose CPU settings are the "
+            "image's"
+        )
     cmd = [sys.executable, "-m", "vllm_overrides.launcher", "--config", str(config), "--print"]
     cmd += ["--workspace", "/workspace", *launcher_args]
     out = subprocess.run(cmd, cwd=REPO_DIR, check=True, capture_output=True, text=True).stdout
@@ -44,7 +56,7 @@ def container_launch(launcher_args: list[str], config: Path = DEFAULT_CONFIG) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", choices=["nul", "json", "shell"], default="nul")
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--config", type=Path, default=PLATFORM_CONFIG)
     args, launcher_args = parser.parse_known_args()
     spec = container_launch(launcher_args, args.config)
     if args.format == "json":

@@ -8,11 +8,11 @@
 #      Dockerfile's own steps must need none), from a snapshot of the context (layer cache
 #      reused when present); build time, image size and the kernels step's outcome are printed
 #   4. build-failure tests: a broken overlay / tampered deployment must fail the build
-#      (IMAGE_TESTS=1 pytest tests/image -m "not server")
+#      (IMAGE_TESTS=1 pytest tests/image -m "image and not server")
 #   5. smoke checks in a container with no network: Python 3.10, vLLM 0.6.3 and torch from the
 #      CoreX path, our overlay imports, `patch_ops.sh verify` passes, the kernels report is there
-#   6. IMAGE_SERVE=1 only (the full container test; off until computility-run.yaml holds the V0
-#      argv and the V0 model serves): the container started with computility-run.yaml's command
+#   6. IMAGE_SERVE=1 only (the full container test; off by default until the V0 model and API
+#      serve the admission suite; PY must then be the stand-in venv's, scripts/container_launch.py): the container started with computility-run.yaml's command
 #      and env plus the launcher's documented CPU overrides, the tiny model read-only at /model,
 #      port 8000 published on 127.0.0.1 only, beside it a small one (4,096-token context, one
 #      sequence, an API key) for the suite's small_server checks; every `server` test against
@@ -114,7 +114,7 @@ if [ "${SKIP_BUILD_TESTS:-0}" != 1 ]; then
   say "step 4: build-failure tests"
   t=$(now)
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-  "$PY" -m pytest tests/image -m "not server" -ra -p no:cacheprovider ${PYTEST_ARGS:-} \
+  "$PY" -m pytest tests/image -m "image and not server" -ra -p no:cacheprovider ${PYTEST_ARGS:-} \
     2>&1 | tee "$OUT/pytest-build.log" || status=1
   note "build_tests_s=$(( $(now) - t )) result: $(tail -1 "$OUT/pytest-build.log")"
 else
@@ -149,7 +149,7 @@ fi
 
 if [ "${IMAGE_SERVE:-0}" != 1 ]; then
   note "serve: not run (IMAGE_SERVE=1 runs the container from computility-run.yaml and the" \
-    "server tests; off until the YAML holds the V0 argv and the V0 model serves)"
+    "server tests)"
   note "image_test_total_s=$(( $(now) - t_all )) status=$status"
   echo "===== image-test summary ($summary) ====="
   cat "$summary"

@@ -18,17 +18,29 @@
 # The base does not set PYTHONPATH, so `import torch` fails in a build that forgets it -- on the
 # vendor's image teams set it themselves.
 #
+# Two tiers, so that the stand-in's own small packages (the folders of scripts/standin_v0 with an
+# __init__.py: vllm_standin, pyairports), which change often, cost seconds and not a rebuild:
+#   IMAGE-packages  (e.g. localhost/standin-corex-base:0.6.3-packages) debootstrap + Python +
+#                   the venv's packages; keyed on this script, the other files of
+#                   scripts/standin_v0 (build_env.sh, requirements.txt, repack_vllm.py), the Debian
+#                   packages and the Python version; rebuilt only when one of those changes
+#   IMAGE           FROM it, the stand-in's package folders copied over site-packages
+#                   (podman build --network=none); keyed on the packages tier's key + those folders
+#
 # Slimming (the stand-in's image only; SLIM=0 keeps everything): cuDNN's six sub-libraries
 # (1.2 GB) go. libcudnn.so.8 opens them on the first cuDNN call, which a CPU never makes;
 # `import torch, vllm` and a matmul are checked in the finished image.
 #
-# Environment: FORCE=1 rebuilds; MIRROR (Debian mirror); PY310_HOME (/root/.pyenv/versions/
-# 3.10.13); STANDIN_VENV (build/standin-base/venv: a venv of its own, so a shared .venv-v0 with an
-# overlay deployed in it never leaks into the base).
+# Environment: FORCE=1 rebuilds; PRINT_KEYS=1 prints the two keys and stops; MIRROR (Debian
+# mirror); PY310_HOME (/root/.pyenv/versions/3.10.13); STANDIN_VENV (build/standin-base/venv:
+# a venv of its own, so a shared .venv-v0 with an overlay deployed in it never leaks into the base).
 set -euo pipefail
+
+# Everything runs inside main, which bash reads whole before running: editing this file during a
+# run cannot change what the run does.
+main() {
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
-self=scripts/make_base_image.sh
 
 IMAGE=${1:-localhost/standin-corex-base:0.6.3}
 SUITE=bookworm
@@ -50,27 +62,38 @@ pyver=$("$PY310_HOME/bin/python3.10" -c 'import platform; print(platform.python_
 # The stand-in's scripts are read from a snapshot: someone editing them meanwhile can neither
 # break this run nor leave an image labelled with a key it was not built from.
 snap=$(mktemp -d /var/tmp/standin-scripts.XXXXXX)
-trap 'rm -rf "$snap"' EXIT
+work=""  # the packages tier's rootfs, while it is built
+mounts_under() { findmnt -rn -o TARGET | grep -E "^$1/" | sort -r || true; }
+cleanup() {
+  # debootstrap mounts proc/sys inside the chroot and may leave them on failure: unmount
+  # before deleting, and never delete through a mount that stays.
+  local m
+  [ -n "$work" ] || return 0
+  for m in $(mounts_under "$work"); do umount -l "$m" || true; done
+  if [ -n "$(mounts_under "$work")" ]; then
+    log "WARNING: mounts remain under $work; not deleting it"
+    return 0
+  fi
+  rm -rf "$work"
+  work=""
+}
+trap 'cleanup; rm -rf "$snap"' EXIT
 cp -r scripts/standin_v0 "$snap/"
 find "$snap" -name __pycache__ -prune -exec rm -rf {} +
-# The key: everything that decides the image's content (this script, every file of the
-# stand-in's folder by name and content, the Debian suite and packages, the Python version).
-key=$( { cat "$self"
-         (cd "$snap" && find standin_v0 -type f | LC_ALL=C sort |
-           while IFS= read -r f; do echo "$f"; cat "$f"; done)
-         echo "$SUITE $PACKAGES python $pyver slim $SLIM"; } | sha256sum | cut -c1-16)
-
-if [ "${FORCE:-0}" != 1 ] && podman image exists "$IMAGE"; then
-  have=$(podman image inspect --format '{{index .Labels "org.local.base.key"}}' "$IMAGE" || true)
-  if [ "$have" = "$key" ]; then
-    log "$IMAGE exists (key $key): reused"
-    echo "base_image_reused=1 base_key=$key"
-    exit 0
-  fi
-  log "$IMAGE exists with key '${have:-?}', inputs say $key: rebuilding"
-fi
-
-start=$(date +%s)
+# The stand-in's Python packages (copied into site-packages by build_env.sh and by the top tier).
+pkgs=()
+for d in "$snap"/standin_v0/*/; do
+  if [ -f "$d/__init__.py" ]; then pkgs+=("$(basename "$d")"); fi
+done
+hash_files() {  # hash_files FIND-ARGS...: names and contents of the snapshot's files
+  (cd "$snap" && find standin_v0 -type f "$@" | LC_ALL=C sort |
+    while IFS= read -r f; do echo "$f"; cat "$f"; done)
+}
+not_pkgs=()
+for p in "${pkgs[@]}"; do not_pkgs+=(! -path "standin_v0/$p/*"); done
+only_pkgs=(-false)
+for p in "${pkgs[@]}"; do only_pkgs+=(-o -path "standin_v0/$p/*"); done
+build_heavy() {
 # The packages: the stand-in venv (a no-op when its own key is current).
 VENV_V0=$VENV bash "$snap/standin_v0/build_env.sh" >&2
 venv_site=$VENV/lib/python3.10/site-packages
@@ -85,19 +108,6 @@ if ! command -v debootstrap >/dev/null 2>&1; then
 fi
 
 work=$(mktemp -d /var/tmp/standin-base.XXXXXX)
-mounts_under() { findmnt -rn -o TARGET | grep -E "^$1/" | sort -r || true; }
-cleanup() {
-  # debootstrap mounts proc/sys inside the chroot and may leave them on failure: unmount
-  # before deleting, and never delete through a mount that stays.
-  local m
-  for m in $(mounts_under "$work"); do umount -l "$m" || true; done
-  if [ -n "$(mounts_under "$work")" ]; then
-    log "WARNING: mounts remain under $work; not deleting it"
-    return
-  fi
-  rm -rf "$work"
-}
-trap 'cleanup; rm -rf "$snap"' EXIT
 
 t=$(date +%s)
 log "debootstrap $SUITE ($MIRROR) with $PACKAGES"
@@ -178,10 +188,64 @@ tar -C "$root" --numeric-owner -cf - . | podman import \
   --change 'ENV LANG=C.UTF-8' \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'CMD ["/bin/bash"]' \
-  --change "LABEL org.local.base.key=\"$key\"" \
+  --change "LABEL org.local.base.key=\"$heavy_key\"" \
   --change "LABEL org.local.base.python=\"$pyver\"" \
-  --quiet - "$IMAGE" >/dev/null
+  --quiet - "$HEAVY" >/dev/null
 import_s=$(( $(date +%s) - t ))
+# Deleting the 4 GB rootfs took minutes on a busy disk: it goes in the background (a fresh
+# mktemp name each run, so nothing waits for it).
+nohup nice -n 19 rm -rf "$work" >/dev/null 2>&1 &
+work=""
+}
+
+# The top tier: the stand-in's own packages, current.
+build_top() {
+t=$(date +%s)
+top=$snap/top
+mkdir -p "$top"
+{
+  echo "FROM $HEAVY"
+  # the packages tier's copies (build_env.sh's of its day) go; the snapshot's come in
+  echo "RUN rm -rf ${pkgs[*]/#/$SITE/}"
+  for p in "${pkgs[@]}"; do
+    cp -r "$snap/standin_v0/$p" "$top/"
+    echo "COPY $p/ $SITE/$p/"
+  done
+  echo "LABEL org.local.base.key=\"$key\""
+} >"$top/Containerfile"
+podman build --pull=never --network=none --quiet -t "$IMAGE" -f "$top/Containerfile" "$top" >/dev/null
+top_s=$(( $(date +%s) - t ))
+}
+
+# The packages tier's key: everything that decides its content -- the recipe above as bash
+# prints it (comments and layout do not count), the other files of the stand-in's folder, the
+# paths, Debian packages and Python version.
+heavy_key=$( { declare -f build_heavy; hash_files "${not_pkgs[@]}"
+               echo "$SUITE $PACKAGES $COREX_SITE $SITE python $pyver slim $SLIM"; } |
+             sha256sum | cut -c1-16)
+key=$( { echo "$heavy_key"; declare -f build_top; hash_files \( "${only_pkgs[@]}" \); } |
+       sha256sum | cut -c1-16)
+HEAVY=$IMAGE-packages
+if [ "${PRINT_KEYS:-0}" = 1 ]; then echo "packages_key=$heavy_key key=$key"; exit 0; fi
+label() { podman image inspect --format "{{index .Labels \"org.local.base.key\"}}" "$1" 2>/dev/null || true; }
+
+if [ "${FORCE:-0}" != 1 ] && [ "$(label "$IMAGE")" = "$key" ]; then
+  log "$IMAGE exists (key $key): reused"
+  echo "base_image_reused=1 base_key=$key"
+  exit 0
+fi
+old_ids=$(podman image inspect --format '{{.Id}}' "$IMAGE" "$HEAVY" 2>/dev/null || true)
+start=$(date +%s)
+boot_s=0 copy_s=0 import_s=0 venv_s=0
+
+if [ "${FORCE:-0}" != 1 ] && [ "$(label "$HEAVY")" = "$heavy_key" ]; then
+  log "$HEAVY exists (key $heavy_key): reused"
+else
+  log "$HEAVY: building (key $heavy_key)"
+  build_heavy
+fi
+
+build_top
 
 # The finished image, as the Dockerfile will see it: with the CoreX PYTHONPATH, torch and vLLM
 # import from the vendor's path and transformers from site-packages; without it, torch is absent.
@@ -193,6 +257,9 @@ assert vllm.__file__.startswith("'$COREX_SITE'/"), vllm.__file__
 assert transformers.__file__.startswith("'$SITE'/"), transformers.__file__
 assert transformers.__version__ == "4.51.3" and vllm.__version__.startswith("0.6.3")
 assert current_platform.is_cpu() and torch.version.cuda is not None
+import importlib
+for name in "'"${pkgs[*]}"'".split():  # the top tier: from site-packages
+    assert importlib.import_module(name).__file__.startswith("'$SITE'/"), name
 x = torch.ones(4, 4) @ torch.ones(4, 4)
 assert float(x.sum()) == 64.0
 print("python", sys.version.split()[0], "torch", torch.__version__, "vllm", vllm.__version__,
@@ -212,9 +279,18 @@ then
   exit 1
 fi
 
+# The images these replaced (untagged now) go, unless something still uses them.
+for id in $old_ids; do
+  podman image inspect --format '{{.RepoTags}}' "$id" 2>/dev/null | grep -q '\[\]' &&
+    podman rmi "$id" >/dev/null 2>&1 || true
+done
 total_s=$(( $(date +%s) - start ))
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
-log "built $IMAGE (key $key): $(( size / 1024 / 1024 )) MiB; venv ${venv_s} s, debootstrap" \
-  "${boot_s} s, copy ${copy_s} s, import ${import_s} s, total ${total_s} s"
+log "built $IMAGE (key $key, packages tier $heavy_key): $(( size / 1024 / 1024 )) MiB; venv" \
+  "${venv_s} s, debootstrap ${boot_s} s, copy ${copy_s} s, import ${import_s} s, top tier" \
+  "${top_s} s, total ${total_s} s"
 echo "base_image_reused=0 base_key=$key debootstrap_s=$boot_s base_total_s=$total_s" \
   "base_size_mib=$(( size / 1024 / 1024 ))"
+}
+
+main "$@"
