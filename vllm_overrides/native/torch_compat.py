@@ -2,8 +2,8 @@
 feature check with a fallback (the platform's vendor torch is 2.1.0; ``.venv`` runs a current
 one). ``tests/engines/v0/test_torch21_floor.py`` runs the fallbacks under torch 2.1.
 
-* :func:`is_compiling` -- ``torch.compiler.is_compiling`` (2.3+), else
-  ``torch._dynamo.is_compiling`` (2.1, 2.2) once Dynamo is imported, else ``False``.
+* :data:`is_compiling` -- ``torch.compiler.is_compiling`` (2.3+), else
+  ``torch._dynamo.is_compiling`` (2.1, 2.2), else a function returning ``False``.
 * :func:`register_fake` -- ``torch.library.register_fake`` (2.4+), else
   ``torch.library.impl_abstract`` (2.2, 2.3), else nothing: torch 2.1 has no Python API for an
   op's meta function, and fakes only matter to tracing / ``torch.compile`` / CUDA graphs, which
@@ -12,27 +12,28 @@ one). ``tests/engines/v0/test_torch21_floor.py`` runs the fallbacks under torch 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-# torch 2.3+ has the public API; older torch only Dynamo's own flag (see is_compiling).
-_public_is_compiling: Callable[[], bool] | None = getattr(
-    getattr(torch, "compiler", None), "is_compiling", None
-)
+
+def _resolve_is_compiling() -> Callable[[], bool]:
+    public = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if public is not None:
+        return public
+    try:
+        # Older torch: Dynamo's own flag, imported here (~1 s on torch 2.1 in a bare process;
+        # vLLM 0.6.3's engine imports Dynamo anyway) so that traced code can call it.
+        import torch._dynamo as dynamo
+
+        return dynamo.is_compiling
+    except Exception:  # noqa: BLE001 - a torch without Dynamo never compiles
+        return lambda: False
 
 
-def is_compiling() -> bool:
-    """Whether Dynamo is tracing the caller."""
-    if _public_is_compiling is not None:
-        return bool(_public_is_compiling())
-    # Older torch: a Dynamo that was never imported is not tracing (and importing it here would
-    # cost ~1 s in the first eager call).
-    dynamo = sys.modules.get("torch._dynamo")
-    flag = getattr(dynamo, "is_compiling", None)
-    return bool(flag()) if flag is not None else False
+# Whether Dynamo is tracing the caller: torch's own function itself, which Dynamo recognises.
+is_compiling: Callable[[], bool] = _resolve_is_compiling()
 
 
 # The API that registers a Python meta ("fake") implementation for an existing operator.

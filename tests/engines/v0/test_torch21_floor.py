@@ -88,10 +88,14 @@ def test_newer_torch_apis_take_their_fallbacks() -> None:
     assert torch_compat.FAKE_API == "none"
     decorated = torch_compat.register_fake("vo_kernels::nothing")(len)
     assert decorated is len  # returned unregistered, no error
+    # Dynamo's own flag: False in eager code, True while Dynamo traces (what _used relies on).
     assert torch_compat.is_compiling() is False
-    import torch._dynamo  # noqa: F401  (the fallback reads Dynamo's flag once it is imported)
 
-    assert torch_compat.is_compiling() is False
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        return x + (1.0 if torch_compat.is_compiling() else 0.0)
+
+    got = torch.compile(traced, backend="eager", fullgraph=True)(torch.zeros(1))
+    assert got.item() == 1.0 and traced(torch.zeros(1)).item() == 0.0
 
 
 class _Records(logging.Handler):
