@@ -169,6 +169,18 @@ def test_one_shot_prefill_then_decode_matches_hf(
     _check(name, got, oracle)
 
 
+def test_mrope_positions_of_text_tokens_match_hf(driver: Driver, oracle: dict[str, Any]) -> None:
+    """The interleaved-MRoPE path (``[3, T]`` positions, as the runner passes them once the
+    vision path declares MRoPE) reduces to plain RoPE for text tokens."""
+    seq = Seq("mrope", 0, list(oracle["len20"]["prompt"]))
+    got = driver.step([(seq, len(seq.tokens))], [], mrope=True)
+    for _ in range(7):
+        seq.tokens.append(got[-1])
+        got += driver.step([], [seq], mrope=True)
+    driver.finish("mrope")
+    _check("len20", got, oracle)
+
+
 def test_chunked_prefill_beside_a_decoding_request_matches_hf(
     driver: Driver, oracle: dict[str, Any]
 ) -> None:

@@ -162,9 +162,13 @@ class Driver:
         return child
 
     @torch.inference_mode()
-    def step(self, prefills: list[tuple[Seq, int]], decodes: list[Seq]) -> list[int]:
+    def step(
+        self, prefills: list[tuple[Seq, int]], decodes: list[Seq], mrope: bool = False
+    ) -> list[int]:
         """One engine step: ``prefills`` as ``(seq, chunk_len)`` then ``decodes``; returns the
-        greedy next token of every sequence whose step ends at its last token (else -1)."""
+        greedy next token of every sequence whose step ends at its last token (else -1).
+        ``mrope``: positions as the ``[3, T]`` (t, h, w) rows V0's runner passes for an MRoPE
+        model, all three equal as for text tokens."""
         ids: list[int] = []
         pos: list[int] = []
         qlens: list[int] = []
@@ -197,8 +201,11 @@ class Driver:
             query_lens=qlens,
             context_lens=ctxs,
         )
+        positions = torch.tensor(pos)
+        if mrope:
+            positions = positions.expand(3, -1).contiguous()
         hidden = self.model(
-            torch.tensor(ids), torch.tensor(pos), [], meta,
+            torch.tensor(ids), positions, [], meta,
             request_ids_to_seq_ids=req_to_seqs, finished_requests_ids=self.finished,
         )  # fmt: skip
         self.finished = []
