@@ -12,9 +12,12 @@ unknown fields (a warning in the log). The rules:
   effect on Qwen's template and are dropped;
 - ``tool_choice: "none"`` / ``"required"`` (0.6.3 refuses both) travel in the ``MARKER_HEADER``
   request header to ``engines/v0/serving.py``, which applies them;
-- ``response_format: json_schema`` (0.6.3 accepts and ignores it) becomes ``guided_json``, and so
-  does ``json_object`` (as "any JSON object": 0.6.3's own path for it is a per-token grammar walk
-  over the whole vocabulary);
+- ``response_format: json_schema`` (0.6.3 accepts and ignores it) becomes ``guided_json``;
+  ``json_object`` stays on 0.6.3's own path (outlines' JSON grammar). Mapping it to an
+  "any object" schema was tried and dropped: outlines compiles a schema's regex index in the API
+  process holding the GIL (333 s for that schema and the 248K vocabulary on the stand-in), the
+  engine client misses the engine's heartbeats for more than ``VLLM_RPC_TIMEOUT`` (10 s) and
+  declares the engine dead;
 - structured output (JSON, a regex / choice / grammar, a forced tool call) renders with thinking
   off unless the client asked for thinking: 0.6.3 applies the grammar from the first generated
   token, so inside an open think block it would fill the reasoning, never the answer. Asking for
@@ -56,7 +59,6 @@ _PART_KEYS = {
     "refusal": {"type", "refusal"},
 }
 _TOOL_CALL_KEYS = {"id", "type", "function"}
-JSON_OBJECT_SCHEMA = {"type": "object"}
 _STRUCTURED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -102,17 +104,6 @@ def map_response_format(body: dict[str, Any]) -> None:
     kind = fmt.get("type")
     if kind == "text":
         body.pop("response_format")
-    elif kind == "json_object":
-        # 0.6.3 serves json_object through outlines' CFG guide, which walks the whole vocabulary
-        # (248K tokens) at every step; a JSON schema for "any object" compiles once to a regex
-        # guide and constrains the same thing: one JSON object.
-        if body.get("guided_json") is not None:
-            raise CompatError(
-                "'response_format' json_object and 'guided_json' cannot be combined",
-                "response_format",
-            )
-        body.pop("response_format")
-        body["guided_json"] = dict(JSON_OBJECT_SCHEMA)
     elif kind == "json_schema":
         spec = fmt.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
