@@ -22,7 +22,9 @@
 #
 # Environment (all optional):
 #   IMAGE (localhost/vllm-qwen35:platform-test)  BASE_IMAGE (localhost/standin-corex-base:0.6.3)
-#   PY (.venv-v0/bin/python: runs the tests and scripts/container_launch.py)
+#   PY (.venv/bin/python: runs the tests; .venv-v0's when there is no .venv)
+#   PY_V0 (.venv-v0/bin/python: runs scripts/container_launch.py, which needs the image's vLLM
+#   0.6.3 installed, for its CPU settings)
 #   MODEL_DIR (build/tiny-model)  MAX_MODEL_LEN (empty: the YAML's)  PORT (a free one)
 #   NETWORK (bridge: -p 127.0.0.1:PORT:8000, the YAML's host/port unchanged; host: --network
 #   host with --host 127.0.0.1 --port PORT)  STARTUP_TIMEOUT (900)  PYTEST_ARGS (extra)
@@ -47,7 +49,11 @@ MODEL_DIR=${MODEL_DIR:-build/tiny-model}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-}
 NETWORK=${NETWORK:-bridge}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-900}
-PY=${PY:-$repo/.venv-v0/bin/python}
+PY_V0=${PY_V0:-$repo/.venv-v0/bin/python}
+if [ -z "${PY:-}" ]; then
+  PY=$repo/.venv/bin/python
+  [ -x "$PY" ] || PY=$PY_V0
+fi
 OUT=$repo/build/image-test
 CONTAINER=${IMAGE_TEST_CONTAINER:-vllm-image-test-$$}
 mkdir -p "$OUT"
@@ -59,7 +65,7 @@ note() { echo "$*" | tee -a "$summary" >&2; }
 now() { date +%s; }
 t_all=$(now)
 
-[ -x "$PY" ] || { say "$PY missing: run make setup-v0 first"; exit 1; }
+[ -x "$PY" ] || { say "$PY missing: run make setup (or set PY)"; exit 1; }
 
 # --- 1. podman -------------------------------------------------------------------------------
 say "step 1: podman"
@@ -156,6 +162,7 @@ if [ "${IMAGE_SERVE:-0}" != 1 ]; then
   return "$status"
 fi
 [ -f "$MODEL_DIR/config.json" ] || { say "$MODEL_DIR/config.json missing: run make model"; exit 1; }
+[ -x "$PY_V0" ] || { say "$PY_V0 missing: run make setup-v0 first"; exit 1; }
 MODEL_ABS=$(cd "$MODEL_DIR" && pwd)
 
 # --- 6. the containers ------------------------------------------------------------------------
@@ -187,7 +194,7 @@ start_container() {
       E) env_args+=(-e "$value") ;;
       A) cmd+=("$value") ;;
     esac
-  done < <("$PY" scripts/container_launch.py --format nul "${largs[@]}")
+  done < <("$PY_V0" scripts/container_launch.py --format nul "${largs[@]}")
   [ ${#cmd[@]} -gt 0 ] || { say "no command from the launcher"; exit 1; }
   local run=(podman run -d --name "$name" --pull=never "${net[@]}" --shm-size "${SHM_SIZE:-2g}"
              -v "$MODEL_ABS:/model:ro" "${env_args[@]}" "${test_env[@]}" "$IMAGE" "${cmd[@]}")
