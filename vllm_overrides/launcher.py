@@ -12,7 +12,8 @@ is the one for the vLLM installed beside this module (``COMPUTILITY_RUN_YAML`` o
 
 ``--cpu`` applies the CPU settings: the dtype of the engine's CPU path (0.32.0: ``bfloat16``,
 vLLM's CPU Gated-DeltaNet kernel only runs in bf16; 0.6.3: ``float32``, our ops in exact
-arithmetic, as the oracle tests run them), tensor parallel 1 unless ``--tp`` says otherwise,
+arithmetic, as the oracle tests run them; and ``--swap-space 1``, see ``CPU_V0_SWAP_GIB``), tensor
+parallel 1 unless ``--tp`` says otherwise,
 and, unless the caller set them, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM otherwise reserves
 one of two cores, doubling prefill time), ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) and a
 long ``VLLM_RPC_TIMEOUT`` (the V0 engine's heartbeat; see ``CPU_ENV_DEFAULTS``).
@@ -59,14 +60,18 @@ DEFAULT_CONFIG = default_config()
 # The dtype of each engine's CPU path (module docstring).
 CPU_DTYPE = {"0.32.0": "bfloat16"}
 CPU_DTYPE_DEFAULT = "float32"
+# V0 keeps --swap-space GiB of host memory for preempted sequences' KV (4 by default, per rank).
+# On a CPU machine that is RAM on top of the KV "device" pool: a 6.3 GB engine process for the
+# tiny model, and the out-of-memory killer took it while the tests ran beside other work.
+CPU_V0_SWAP_GIB = "1"
 WORKSPACE = "/workspace/"
-# VLLM_RPC_TIMEOUT: V0's API server declares the engine dead when its heartbeat thread is silent
-# that long (ms); on two shared CPU cores, 100x slower than the card, one busy step starved it
-# past the YAML's 60 s and the server exited mid-test.
+# VLLM_RPC_TIMEOUT (ms): V0's engine reports itself dead when one engine step outlasts 3x this,
+# and its API server exits when the engine's heartbeat is silent 1x this. Two shared CPU cores
+# run a step ~100x slower than the card; a dead engine is still found within two minutes.
 CPU_ENV_DEFAULTS = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_RPC_TIMEOUT": "600000",
+    "VLLM_RPC_TIMEOUT": "120000",
 }
 # Flags that name the same option; the first spelling is the one we write.
 ALIASES = {"--tensor-parallel-size": ("--tensor-parallel-size", "-tp")}
@@ -184,7 +189,10 @@ def build_launch(
             str(workspace / a[len(WORKSPACE) :]) if a.startswith(WORKSPACE) else a for a in argv
         ]
     if cpu:
-        argv = set_flag(argv, "--dtype", CPU_DTYPE.get(installed_vllm() or "", CPU_DTYPE_DEFAULT))
+        engine = installed_vllm() or ""
+        argv = set_flag(argv, "--dtype", CPU_DTYPE.get(engine, CPU_DTYPE_DEFAULT))
+        if engine == "0.6.3":
+            argv = set_flag(argv, "--swap-space", CPU_V0_SWAP_GIB)
         if tp is None:  # one CPU process; -tp N would ask for N workers
             argv = set_flag(argv, "--tensor-parallel-size", "1")
     argv += extra or []

@@ -63,6 +63,7 @@ def test_cpu_launch_runs_float32_on_one_rank(config) -> None:
     argv, env = build_launch(config, model="m", cpu=True, base_env={})
     assert get_flag(argv, "--dtype") == "float32"
     assert get_flag(argv, "--tensor-parallel-size") == "1"
+    assert get_flag(argv, "--swap-space") == "1"  # host RAM on a CPU machine
     # /workspace paths resolve to this checkout where /workspace does not exist.
     assert get_flag(argv, "--chat-template") == str(REPO_DIR / "chat_template_multi_system.jinja")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
