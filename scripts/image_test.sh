@@ -198,7 +198,7 @@ start_container() {
   [ ${#cmd[@]} -gt 0 ] || { say "no command from the launcher"; exit 1; }
   local run=(podman run -d --name "$name" --pull=never "${net[@]}" --shm-size "${SHM_SIZE:-2g}"
              -v "$MODEL_ABS:/model:ro" "${env_args[@]}" "${test_env[@]}" "$IMAGE" "${cmd[@]}")
-  say "step 5: ${run[*]@Q}"
+  say "step 6: ${run[*]@Q}"
   echo "${run[*]@Q}" >>"$OUT/run-command.txt"
   containers+=("$name")
   "${run[@]}" >/dev/null
