@@ -83,7 +83,7 @@ preflight: deploy
 # computility-run.yaml with the tiny model at /model, run the server tests against it
 # (scripts/image_test.sh; its header lists the knobs). SERVER_TESTS picks the tests.
 IMAGE_SERVER_TESTS ?= tests/test_smoke.py tests/admission tests/image
-image-test: setup
+image-test: setup setup-v0
 	SERVER_TESTS="$(IMAGE_SERVER_TESTS)" PY=$(abspath $(PY)) bash scripts/image_test.sh
 
 # Full-size robustness runs (make test runs them at CI size: 1,000 fuzz cases, 40 load requests).
