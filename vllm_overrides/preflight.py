@@ -723,7 +723,9 @@ def _dockerfile_workspace_files(dockerfile: Path) -> set[str]:
         under = dest[len(WORKSPACE) :] if dest.startswith(WORKSPACE) else ""
         for src in sources:
             src = src.rstrip("/")
-            if dest.endswith("/"):
+            # COPY puts a directory's contents at dest, and a file at dest/name when dest ends
+            # with "/".
+            if dest.endswith("/") and not (REPO_DIR / src).is_dir():
                 copied.add((under + Path(src).name).strip("/"))
             else:
                 copied.add(under.strip("/"))

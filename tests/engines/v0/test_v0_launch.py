@@ -53,6 +53,14 @@ def test_the_platform_settings(config) -> None:
     assert int(config.env["VLLM_RPC_TIMEOUT"]) >= 60000
 
 
+def test_every_workspace_file_the_launch_names_is_in_the_image(config) -> None:
+    """The tool-parser plugin and the template: repo files the Dockerfile copies to /workspace
+    (a directory COPY puts its contents there)."""
+    check = preflight.check_workspace_files(config, REPO_DIR / "Dockerfile")
+    assert check.status == preflight.GO, check.detail
+    assert "qwen3_coder_plugin.py" in check.detail
+
+
 def test_a_flag_063_does_not_know_is_no_go(config) -> None:
     bad = type(config)(config.concurrency, config.command + ["--reasoning-parser", "qwen3"], {})
     check = preflight.check_vllm_parser(bad)
