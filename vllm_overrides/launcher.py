@@ -64,6 +64,10 @@ CPU_DTYPE_DEFAULT = "float32"
 # On a CPU machine that is RAM on top of the KV "device" pool: a 6.3 GB engine process for the
 # tiny model, and the out-of-memory killer took it while the tests ran beside other work.
 CPU_V0_SWAP_GIB = "1"
+# V0's block manager never schedules a prompt that needs more than its KV blocks less a 1 %
+# watermark: it answers 200 with no tokens. 1 GiB holds exactly 262,144 of the tiny model's
+# float32 tokens, so a prompt near the context got nothing; 2 GiB leaves the headroom.
+CPU_V0_KVCACHE_GIB = "2"
 WORKSPACE = "/workspace/"
 # VLLM_RPC_TIMEOUT (ms): V0's engine reports itself dead when one engine step outlasts 3x this,
 # and its API server exits when the engine's heartbeat is silent 1x this. Two shared CPU cores
@@ -197,7 +201,10 @@ def build_launch(
             argv = set_flag(argv, "--tensor-parallel-size", "1")
     argv += extra or []
     caller = os.environ if base_env is None else base_env
-    wanted = {**config.env, **(CPU_ENV_DEFAULTS if cpu else {})}
+    cpu_env = dict(CPU_ENV_DEFAULTS)
+    if cpu and installed_vllm() == "0.6.3":
+        cpu_env["VLLM_CPU_KVCACHE_SPACE"] = CPU_V0_KVCACHE_GIB
+    wanted = {**config.env, **(cpu_env if cpu else {})}
     # The caller's variables win over the file's (and over the CPU defaults).
     return argv, {k: caller.get(k, v) for k, v in wanted.items()}
 
