@@ -225,7 +225,8 @@ def check_message_content(body: dict[str, Any]) -> None:
         if not isinstance(message, dict) or message.get("content") is not None:
             continue
         role = message.get("role")
-        if role in CONTENT_REQUIRED_ROLES:
+        # A fuzzed role may be any JSON value (a list is unhashable); vLLM's schema refuses those.
+        if isinstance(role, str) and role in CONTENT_REQUIRED_ROLES:
             raise CompatError(
                 f"messages[{i}] (role {role!r}) has no 'content'", f"messages[{i}].content"
             )

@@ -181,10 +181,12 @@ def test_message_without_content_is_a_400(role: str, absent: bool) -> None:
         {"role": "user", "content": ""},
         {"role": "user", "content": [{"type": "text", "text": "x"}]},
         {"role": "function", "name": "f", "content": None},
+        {"role": ["user"]},
+        {"role": {"a": 1}, "content": None},
     ],
     ids=["tool-calls-null-content", "tool-calls-no-content", "function-call", "empty-assistant",
          "assistant-no-content", "assistant-null-no-calls", "empty-user", "user-parts",
-         "function-role-null"],
+         "function-role-null", "role-a-list", "role-an-object"],
 )  # fmt: skip
 def test_messages_that_need_no_more_content_pass(message: dict) -> None:
     body = normalize_chat_request({"messages": [*USER, message]}, LIMITS)
