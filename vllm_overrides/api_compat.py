@@ -77,6 +77,17 @@ async def _read_body(receive: Receive) -> tuple[bytes, Message | None]:
             return b"".join(chunks), None
 
 
+def version_stamped(send: Send) -> Send:
+    """``send`` with ``x-vllm-overrides-version`` added to the response start (both lines)."""
+
+    async def send_with_version(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = _with_header(message, VERSION_HEADER, __version__.encode())
+        await send(message)
+
+    return send_with_version
+
+
 class CompatMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -86,11 +97,7 @@ class CompatMiddleware:
             await self.app(scope, receive, send)
             return
 
-        async def send_with_version(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = _with_header(message, VERSION_HEADER, __version__.encode())
-            await send(message)
-
+        send_with_version = version_stamped(send)
         path = scope.get("path", "")
         if scope.get("method") != "POST" or path not in (CHAT_PATH, COMPLETIONS_PATH):
             await self.app(scope, receive, send_with_version)

@@ -28,16 +28,15 @@ import time
 from argparse import Namespace
 from typing import Any
 
-from vllm_overrides import __version__
 from vllm_overrides.api_compat import (
     CHAT_PATH,
     COMPLETIONS_PATH,
-    VERSION_HEADER,
     _encode,
     _raised_by_body_validation,
     _read_body,
     _send_json,
     _with_header,
+    version_stamped,
 )
 from vllm_overrides.engines.v0.request_rules import (
     MARKER_HEADER,
@@ -107,12 +106,7 @@ class V0CompatMiddleware:
             await self.app(scope, receive, send)
             return
 
-        async def send_versioned(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = _with_header(message, VERSION_HEADER, __version__.encode())
-            await send(message)
-
-        send_with_version = _ErrorBodySender(send_versioned)
+        send_with_version = _ErrorBodySender(version_stamped(send))
 
         path = scope.get("path", "")
         try:
