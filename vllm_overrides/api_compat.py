@@ -14,10 +14,22 @@ from __future__ import annotations
 
 import json
 from argparse import Namespace
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from vllm_overrides import __version__
+from vllm_overrides.asgi_body import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    encode_json_body,
+    raised_by_body_validation,
+    read_body,
+    send_json,
+    version_stamped,
+    with_header,
+)
 from vllm_overrides.engine_watchdog import install_engine_watchdog
 from vllm_overrides.media_errors import install_media_error_mapping
 from vllm_overrides.request_compat import (
@@ -30,20 +42,6 @@ from vllm_overrides.request_compat import (
 )
 from vllm_overrides.response_compat import SSEReasoningMirror, add_reasoning_content
 
-VERSION_HEADER = b"x-vllm-overrides-version"
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-
-def _with_header(message: Message, name: bytes, value: bytes) -> Message:
-    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != name]
-    return {**message, "headers": [*headers, (name, value)]}
-
 
 def _server_limits(scope: Scope) -> ServerLimits | None:
     state = getattr(scope.get("app"), "state", None)
@@ -51,41 +49,6 @@ def _server_limits(scope: Scope) -> ServerLimits | None:
     if vllm_config is None:
         return None
     return ServerLimits(vllm_config.model_config.max_model_len, default_max_tokens())
-
-
-def _encode(request: dict[str, Any]) -> bytes:
-    try:
-        return json.dumps(request, ensure_ascii=False).encode()
-    except UnicodeEncodeError as exc:
-        # JSON can escape a lone UTF-16 surrogate ("\ud800"); it is not Unicode text and no
-        # tokenizer can encode it.
-        raise CompatError(
-            f"the request holds a lone UTF-16 surrogate ({exc.object[exc.start]!a}), "
-            "which is not valid Unicode text"
-        ) from exc
-
-
-async def _read_body(receive: Receive) -> tuple[bytes, Message | None]:
-    """The whole request body, or the disconnect message that cut it short."""
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return b"".join(chunks), message
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks), None
-
-
-def version_stamped(send: Send) -> Send:
-    """``send`` with ``x-vllm-overrides-version`` added to the response start (both lines)."""
-
-    async def send_with_version(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message = _with_header(message, VERSION_HEADER, __version__.encode())
-        await send(message)
-
-    return send_with_version
 
 
 class CompatMiddleware:
@@ -105,7 +68,7 @@ class CompatMiddleware:
         await self._openai_request(scope, receive, send_with_version, chat=path == CHAT_PATH)
 
     async def _openai_request(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
-        raw, disconnect = await _read_body(receive)
+        raw, disconnect = await read_body(receive)
         if disconnect is not None:
             return  # the client left before sending its request
         body = raw
@@ -117,16 +80,16 @@ class CompatMiddleware:
             # Python's recursion limit, integers over 4,300 digits) with {"detail": ...} instead
             # of an OpenAI-style error.
             why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
-            await _send_json(
+            await send_json(
                 send, 400, CompatError(f"request body is not valid JSON ({why})").body()
             )
             return
         if limits is not None and isinstance(decoded, dict):
             try:
                 normalize = normalize_chat_request if chat else normalize_completion_request
-                body = _encode(normalize(decoded, limits))
+                body = encode_json_body(normalize(decoded, limits))
             except CompatError as exc:
-                await _send_json(send, exc.status, exc.body())
+                await send_json(send, exc.status, exc.body())
                 return
 
         delivered = False
@@ -151,13 +114,13 @@ class CompatMiddleware:
         try:
             await self.app(scope, replay_body, send_tracked)
         except Exception as exc:
-            if started or not _raised_by_body_validation(exc):
+            if started or not raised_by_body_validation(exc):
                 raise
             # vLLM's request models run "before" validators on the raw body; one that meets an
             # unexpected type (e.g. ``structured_outputs: "x"``) raises AttributeError/KeyError,
             # which pydantic passes through and starlette answers with a 500. The body is at fault.
             reason = f"{type(exc).__name__}: {exc}"[:300]
-            await _send_json(send, 400, CompatError(f"invalid request body ({reason})").body())
+            await send_json(send, 400, CompatError(f"invalid request body ({reason})").body())
 
 
 class _ReasoningSender:
@@ -195,39 +158,9 @@ class _ReasoningSender:
             return
         body = add_reasoning_content(b"".join(self.buffer))
         assert self.start is not None
-        start = _with_header(self.start, b"content-length", str(len(body)).encode())
+        start = with_header(self.start, b"content-length", str(len(body)).encode())
         await self.send(start)
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-# FastAPI's function that validates a request body into the endpoint's pydantic model.
-_BODY_VALIDATION = ("fastapi.dependencies.utils", "request_body_to_args")
-
-
-def _raised_by_body_validation(exc: BaseException) -> bool:
-    """True when ``exc`` escaped FastAPI's validation of the request body (not the handler)."""
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _BODY_VALIDATION:
-            return True
-        tb = tb.tb_next
-    return False
-
-
-async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
-    body = json.dumps(payload).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def install_api_compat(app: Any, args: Namespace) -> None:
