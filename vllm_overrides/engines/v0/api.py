@@ -28,16 +28,12 @@ import time
 from argparse import Namespace
 from typing import Any
 
-from vllm_overrides.api_compat import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
-    _encode,
-    _raised_by_body_validation,
-    _read_body,
-    _send_json,
-    _with_header,
-    version_stamped,
-)
+from vllm_overrides.asgi_body import CHAT_PATH, COMPLETIONS_PATH, version_stamped
+from vllm_overrides.asgi_body import encode_json_body as _encode
+from vllm_overrides.asgi_body import raised_by_body_validation as _raised_by_body_validation
+from vllm_overrides.asgi_body import read_body as _read_body
+from vllm_overrides.asgi_body import send_json as _send_json
+from vllm_overrides.asgi_body import with_header as _with_header
 from vllm_overrides.engines.v0.request_rules import (
     MARKER_HEADER,
     adapt_chat_body,
