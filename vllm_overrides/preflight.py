@@ -40,7 +40,9 @@ from typing import Any
 
 from vllm_overrides.launcher import (
     DEFAULT_CONFIG,
+    PLATFORM_CONFIG,
     REPO_DIR,
+    V1_0_32_CONFIG,
     WORKSPACE,
     RunConfig,
     build_launch,
@@ -616,6 +618,276 @@ def explain(facts: ModelFacts, cal: Calibration, seed: SeedRuns = SEED) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# The platform line: vLLM 0.6.3's V0 engine on the BI-V100
+# ----------------------------------------------------------------------------------------------
+
+# PLATFORM.md, "Hardware": the card's memory as the driver reports it, and what is in use at idle.
+CARD_BYTES = 34_057_748_480
+CARD_IDLE_BYTES = 257 * MIB
+# V0's paged KV: CacheConfig's default block size, and BlockSpaceManagerV2's watermark (1 % of
+# the GPU blocks): a prompt with `total - required < int(0.01 * total)` is never scheduled.
+V0_BLOCK_SIZE = 16
+V0_WATERMARK = 0.01
+# ixformer's same-node IPC all-reduce (ENABLE_CUSTOM_IPC=1): a 64 MiB region per rank
+# (PLATFORM.md, "How the vendor's vLLM 0.6.3+corex differs").
+IPC_REGION_BYTES = 64 * MIB
+# Weights per card at TP4 "≈ 16.2-16.7 GiB" (PLATFORM.md): the upper end, since the V0 text
+# path's own load was never observed on the card.
+V0_WEIGHTS_GIB = 16.7
+# Allocations V0's profiler counts that no torch tensor of ours makes (ixformer's NCCL
+# communicators, the BLAS workspaces): not measured on the card, assumed.
+V0_RUNTIME_BYTES = 512 * MIB
+# The caching allocator keeps what the profiling forward reserved, in 2 MiB-rounded segments
+# that fragment: a 20 % allowance on the measured tensor peak (assumed).
+V0_ALLOCATOR_SLACK = 0.20
+# GO needs the KV pool to hold one max_model_len prompt plus the watermark with 10 % to spare;
+# below that but above the line is WARN (the terms marked "assumed" above are inside 10 %).
+V0_MARGIN = 0.10
+# GDN state checkpoints (issue 47): a pool of ``VO_GDN_CHECKPOINTS`` (the YAML's env) slots,
+# each one sequence's conv + recurrent states of every GDN layer of the rank; when the env does
+# not set it, the engine's default (engines/v0/prefix_cache.py DEFAULT_POOL; a test keeps the
+# two equal).
+V0_GDN_CHECKPOINTS_ENV = "VO_GDN_CHECKPOINTS"
+V0_GDN_CHECKPOINTS = 32
+# Transient bytes of one forward over T tokens, per rank at TP4 in fp16: a + b*T for each op
+# family's PyTorch path (the path the card takes when our kernels do not load; the fused ones
+# allocate less), measured as max_memory_allocated above the inputs by
+# worklogs/v0_activation_probe.py at T = 4,096 / 8,192 / 16,384 on an H100 (torch 2.11;
+# worklogs/results/v0-activation-probe-h100-2026-12-06/): the line through the 4,096 and
+# 16,384 points (8,192 lies on it within 2 %).
+V0_ACTIVATION = {
+    # router sort + per-expert-loop GEMMs + gather combine + shared expert
+    "moe": (33_555_456, 104_640),
+    # chunked gated delta rule (PyTorch path, 16 sequences)
+    "gdn_chunk": (53_131_264, 36_342),
+    # prefill attention: one chunk over a 65,536-token cached context (tiles bounded)
+    "attention": (203_253_760, 12_365),
+}
+# V0's Sampler on the profile's sampled rows (top-k + top-p, float32): the logits, their
+# softmax and log-softmax, the sorted values + int64 indices, the cumulative sum and the mask
+# scattered back: ~36 bytes per vocabulary entry and row (assumed from the op sequence).
+V0_SAMPLER_BYTES_PER_VOCAB_ROW = 36
+
+
+def gdn_state_bytes(facts: ModelFacts, tp: int, dtype_bytes: int = 2) -> int:
+    """One sequence's GDN states on one rank, all GDN layers: a conv state ``(conv_dim / tp,
+    kernel - 1)`` in the model dtype and a recurrent state ``(HV / tp, V, K)`` in
+    ``mamba_ssm_dtype`` (float32), as ``engines/v0/gdn_state.GDNStateCache`` holds a slot. A
+    GDN checkpoint saves the same two tensors, so it costs the same."""
+    conv_dim = (
+        facts.gdn_key_head_dim * facts.gdn_key_heads * 2
+        + facts.gdn_value_head_dim * facts.gdn_value_heads
+    )
+    conv = conv_dim // tp * (facts.conv_kernel - 1) * dtype_bytes
+    ssm = (
+        facts.gdn_value_heads
+        // tp
+        * facts.gdn_value_head_dim
+        * facts.gdn_key_head_dim
+        * DTYPE_BYTES[facts.mamba_ssm_dtype]
+    )
+    return facts.gdn_layers * (conv + ssm)
+
+
+def v0_block_bytes(facts: ModelFacts, tp: int, dtype_bytes: int = 2) -> int:
+    """``CacheEngine.get_cache_block_size``: K and V of one 16-token block in every *attention*
+    layer (``layers_block_type`` names them: 10 of 40), kv heads replicated up to one a rank."""
+    kv_heads = max(1, facts.num_kv_heads // tp)
+    return 2 * V0_BLOCK_SIZE * kv_heads * facts.head_dim * facts.attention_layers * dtype_bytes
+
+
+def v0_activation_bytes(
+    facts: ModelFacts, tokens: int, sampled_rows: int, dtype_bytes: int = 2
+) -> dict[str, int]:
+    """The profiling forward's transient peak, by part (V0's ``profile_run``: one forward of
+    ``max_num_batched_tokens`` tokens over ``max_num_seqs`` sequences, then one sampler run)."""
+    per_family = {k: a + b * tokens for k, (a, b) in V0_ACTIVATION.items()}
+    # hidden states, residual, the normed input and the all-reduced output between layers
+    stream = 4 * tokens * facts.hidden_size * dtype_bytes
+    forward = max(per_family.values()) + stream
+    sampler = sampled_rows * facts.vocab_size * (V0_SAMPLER_BYTES_PER_VOCAB_ROW + dtype_bytes)
+    peak = max(forward, sampler)
+    return {
+        **{f"{k}_workspace": v for k, v in per_family.items()},
+        "residual_stream": stream,
+        "forward": forward,
+        "sampler": sampler,
+        "peak": peak,
+        "allocator_slack": int(peak * V0_ALLOCATOR_SLACK),
+        "total": peak + int(peak * V0_ALLOCATOR_SLACK),
+    }
+
+
+@dataclass
+class V0Plan:
+    """V0's start-up arithmetic on one rank (``Worker.determine_num_available_blocks``):
+    ``num_gpu_blocks = (total x util - peak) // block_bytes``, where ``peak`` is what the
+    process allocated between ``init_device`` and the end of the profiling forward (weights,
+    communicators, the GDN state slots and checkpoints our model allocates in that forward,
+    the forward's own transients); the card's idle use is outside it."""
+
+    tp: int
+    card_bytes: int
+    gpu_memory_utilization: float
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    gdn_checkpoints: int
+    ipc: bool
+    rows: list[dict[str, Any]]
+    block_bytes: int
+    kv_bytes: int
+    num_gpu_blocks: int
+    needed_blocks: int
+    watermark_blocks: int
+    capacity_tokens: int
+    margin_ratio: float
+    headroom_bytes: int
+    weights_estimate_gib: float
+
+    @property
+    def starts(self) -> bool:
+        return (
+            self.num_gpu_blocks * V0_BLOCK_SIZE >= self.max_model_len
+            and self.num_gpu_blocks - self.needed_blocks >= self.watermark_blocks
+        )
+
+
+def v0_memory_plan(
+    facts: ModelFacts,
+    *,
+    tp: int,
+    gpu_memory_utilization: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    gdn_checkpoints: int = V0_GDN_CHECKPOINTS,
+    ipc: bool = True,
+    dtype_bytes: int = 2,
+    weights_gib: float | None = None,
+    card_bytes: int = CARD_BYTES,
+) -> V0Plan:
+    budget = int(card_bytes * gpu_memory_utilization)
+    weights = int((V0_WEIGHTS_GIB if weights_gib is None else weights_gib) * GIB)
+    state = gdn_state_bytes(facts, tp, dtype_bytes)
+    # GDNStateCache: max_num_seqs slots + the reserved slot 0, made in the profiling forward.
+    slots = (max_num_seqs + 1) * state
+    ckpts = gdn_checkpoints * state
+    act = v0_activation_bytes(facts, max_num_batched_tokens, max_num_seqs, dtype_bytes)
+    ipc_bytes = IPC_REGION_BYTES if ipc else 0
+    rows: list[dict[str, Any]] = [
+        {"item": "card x gpu_memory_utilization", "bytes": budget,
+         "note": f"{card_bytes:,} B x {gpu_memory_utilization:g}"},
+        {"item": "weights", "bytes": -weights,
+         "note": f"PLATFORM.md upper figure; config estimate "
+                 f"{weights_estimate_gib(facts, tp, dtype_bytes):.2f} GiB"},
+        {"item": "IPC all-reduce region", "bytes": -ipc_bytes,
+         "note": "ENABLE_CUSTOM_IPC=1" if ipc else "off"},
+        {"item": "runtime (communicators, BLAS)", "bytes": -V0_RUNTIME_BYTES,
+         "note": "assumed"},
+        {"item": "GDN state slots", "bytes": -slots,
+         "note": f"({max_num_seqs} + 1) x {state / MIB:.2f} MiB"},
+        {"item": "GDN checkpoints", "bytes": -ckpts,
+         "note": f"{gdn_checkpoints} x {state / MIB:.2f} MiB"},
+        {"item": "activation: MoE workspace", "bytes": -act["moe_workspace"],
+         "note": f"{max_num_batched_tokens:,} tokens (largest family: sets the peak)"
+                 if act["forward"] - act["residual_stream"] == act["moe_workspace"] else
+                 f"{max_num_batched_tokens:,} tokens (not the peak)"},
+        {"item": "  (GDN chunk workspace)", "bytes": 0,
+         "note": f"{act['gdn_chunk_workspace'] / MIB:.1f} MiB, under the MoE's"},
+        {"item": "  (attention workspace)", "bytes": 0,
+         "note": f"{act['attention_workspace'] / MIB:.1f} MiB (65K-token context), "
+                 "under the MoE's"},
+        {"item": "activation: sampler", "bytes": -max(0, act["sampler"] - act["forward"]),
+         "note": f"{act['sampler'] / MIB:.1f} MiB for {max_num_seqs} sampled rows of "
+                 f"{facts.vocab_size:,} logits, after the forward's transients are freed"},
+        {"item": "activation: residual stream", "bytes": -act["residual_stream"],
+         "note": "4 x tokens x hidden"},
+        {"item": "activation: allocator slack", "bytes": -act["allocator_slack"],
+         "note": f"{V0_ALLOCATOR_SLACK:.0%} of the peak, assumed"},
+    ]  # fmt: skip
+    peak_parts = weights + ipc_bytes + V0_RUNTIME_BYTES + slots + ckpts + act["total"]
+    kv = max(0, budget - peak_parts)
+    block = v0_block_bytes(facts, tp, dtype_bytes)
+    blocks = kv // block
+    rows.append({"item": "= KV cache", "bytes": kv, "note": f"{blocks:,} blocks of {block:,} B"})
+    needed = cdiv(max_model_len, V0_BLOCK_SIZE)
+    watermark = int(V0_WATERMARK * blocks)
+    required = needed + watermark
+    headroom = card_bytes - budget - CARD_IDLE_BYTES
+    return V0Plan(
+        tp=tp,
+        card_bytes=card_bytes,
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        gdn_checkpoints=gdn_checkpoints,
+        ipc=ipc,
+        rows=rows,
+        block_bytes=block,
+        kv_bytes=kv,
+        num_gpu_blocks=blocks,
+        needed_blocks=needed,
+        watermark_blocks=watermark,
+        capacity_tokens=blocks * V0_BLOCK_SIZE,
+        margin_ratio=blocks / required - 1 if required else 0.0,
+        headroom_bytes=headroom,
+        weights_estimate_gib=weights_estimate_gib(facts, tp, dtype_bytes),
+    )
+
+
+def format_v0_budget(plan: V0Plan) -> str:
+    """The per-rank budget as a table (GiB and MiB)."""
+    width = max(len(r["item"]) for r in plan.rows)
+    lines = [f"{'per rank (TP' + str(plan.tp) + ')':<{width}}  {'GiB':>8}  {'MiB':>10}  note"]
+    for r in plan.rows:
+        b = r["bytes"]
+        lines.append(f"{r['item']:<{width}}  {b / GIB:>8.3f}  {b / MIB:>10.1f}  {r['note']}")
+    lines += [
+        f"KV capacity: {plan.num_gpu_blocks:,} blocks = {plan.capacity_tokens:,} tokens; "
+        f"a {plan.max_model_len:,}-token prompt needs {plan.needed_blocks:,} + watermark "
+        f"{plan.watermark_blocks:,} (1 %) = {plan.needed_blocks + plan.watermark_blocks:,} "
+        f"blocks (margin {plan.margin_ratio:+.1%})",
+        f"outside gpu_memory_utilization: {plan.headroom_bytes / GIB:.2f} GiB after the card's "
+        f"{CARD_IDLE_BYTES // MIB} MiB idle use (CUDA context, anything allocated after the "
+        "profile)",
+    ]
+    return "\n".join(lines)
+
+
+def check_v0_memory(plan: V0Plan) -> Check:
+    data = asdict(plan)
+    required = plan.needed_blocks + plan.watermark_blocks
+    summary = (
+        f"{plan.num_gpu_blocks:,} blocks ({plan.capacity_tokens:,} tokens) vs {required:,} for "
+        f"max_model_len {plan.max_model_len:,} + 1 % watermark (margin {plan.margin_ratio:+.1%};"
+        f" KV {plan.kv_bytes / GIB:.2f} GiB, {plan.gdn_checkpoints} GDN checkpoints, "
+        f"activation at {plan.max_num_batched_tokens:,} batched tokens)"
+    )
+    if plan.headroom_bytes <= 0:
+        return Check("KV capacity (V0)", NO_GO, "no memory left outside the utilisation", data)
+    if not plan.starts:
+        return Check("KV capacity (V0)", NO_GO, summary + ": a full-context prompt is never "
+                     "scheduled (or V0 refuses to start)", data)  # fmt: skip
+    if plan.margin_ratio < V0_MARGIN:
+        return Check("KV capacity (V0)", WARN, summary + f": under the {V0_MARGIN:.0%} margin",
+                     data)  # fmt: skip
+    return Check("KV capacity (V0)", GO, summary, data)
+
+
+def yaml_engine(config_path: Path) -> str:
+    """Which engine a launch file is for: the repository's two files by where they are, any
+    other by the installed vLLM (the platform's 0.6.3 when none is installed)."""
+    path = Path(config_path).resolve()
+    if path == V1_0_32_CONFIG.resolve():
+        return "0.32.0"
+    if path == PLATFORM_CONFIG.resolve():
+        return "0.6.3"
+    return installed_vllm() or "0.6.3"
+
+
+# ----------------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------------
 
@@ -686,10 +958,18 @@ def _parse_serve_args_v1(args: list[str]) -> None:
     validate_api_server_args(parsed)
 
 
-def check_vllm_parser(config: RunConfig) -> Check:
+def check_vllm_parser(config: RunConfig, engine: str | None = None) -> Check:
     """The installed vLLM's own parser and validators accept every flag (with /workspace ->
-    checkout): 0.6.3's on the platform line, 0.32.0's on the reference line."""
+    checkout): 0.6.3's on the platform line, 0.32.0's on the reference line. A launch file for
+    another engine than the installed one is not judged by the wrong parser (SKIP)."""
     version = installed_vllm()
+    if engine is not None and version is not None and version != engine:
+        return Check(
+            "vLLM parser",
+            SKIP,
+            f"the launch is for vLLM {engine}, this interpreter has {version}: run preflight "
+            f"with {engine}'s venv ({'.venv-v0' if engine == '0.6.3' else '.venv'})",
+        )
     parse = _parse_serve_args_v0 if version == "0.6.3" else _parse_serve_args_v1
     argv, _ = build_launch(config, workspace=REPO_DIR)
     err = io.StringIO()
@@ -903,10 +1183,12 @@ def run_preflight(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]
     schema, config = check_yaml_schema(args.config)
     checks.append(schema)
     facts = ModelFacts.load(args.model_config)
-    cal = calibrate(facts)
-    extra: dict[str, Any] = {"calibration": asdict(cal), "assumed": list(facts.assumed)}
+    engine = args.engine if args.engine != "auto" else yaml_engine(args.config)
+    extra: dict[str, Any] = {"engine": engine, "assumed": list(facts.assumed)}
+    if engine != "0.6.3":
+        extra["calibration"] = asdict(calibrate(facts))
     if config is not None:
-        checks.append(check_vllm_parser(config))
+        checks.append(check_vllm_parser(config, engine))
         checks.append(check_workspace_files(config, args.dockerfile))
     checks.append(check_crlf(crlf_candidates(args.config, config)))
     checks.append(check_patches(args.patches))
@@ -932,13 +1214,37 @@ def run_preflight(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]
         )
     checks.append(check_context(config, args.required_len, facts))
     checks.append(check_utilization(util))
+    if engine == "0.6.3":
+        v0 = v0_memory_plan(
+            facts,
+            tp=tp,
+            gpu_memory_utilization=util,
+            max_num_batched_tokens=mnbt,
+            # V0's default is 256; the profile samples that many rows.
+            max_num_seqs=flag("--max-num-seqs", None, int) or 256,
+            max_model_len=max_len,
+            gdn_checkpoints=(
+                args.gdn_checkpoints
+                if args.gdn_checkpoints is not None
+                else int(config.env.get(V0_GDN_CHECKPOINTS_ENV, V0_GDN_CHECKPOINTS))
+            ),
+            ipc=config.env.get("ENABLE_CUSTOM_IPC") == "1",
+            dtype_bytes=DTYPE_BYTES.get(dtype, 2),
+            weights_gib=args.weights_gib,
+            card_bytes=int(args.mem_per_card_gib * GIB) if args.mem_per_card_gib else CARD_BYTES,
+        )
+        checks.append(check_v0_memory(v0))
+        extra["v0_memory"] = asdict(v0)
+        extra["v0_budget_table"] = format_v0_budget(v0)
+        return checks, extra
+    cal = calibrate(facts)
     prefix_caching = "--enable-prefix-caching" in config.command
     ckpt = gdn_checkpoint_blocks(config.env, prefix_caching)
     extra["gdn_prefill_checkpoint_blocks"] = ckpt
     plan = memory_plan(
         facts,
         tp=tp,
-        mem_per_card_gib=args.mem_per_card_gib,
+        mem_per_card_gib=args.mem_per_card_gib or 32.0,
         gpu_memory_utilization=util,
         max_num_batched_tokens=mnbt,
         max_model_len=max_len,
@@ -979,7 +1285,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the checkpoint's config.json (default: the public facts file)",
     )
     p.add_argument("--dockerfile", type=Path, default=REPO_DIR / "Dockerfile")
-    p.add_argument("--mem-per-card-gib", type=float, default=32.0)
+    p.add_argument(
+        "--engine",
+        choices=["auto", "0.6.3", "0.32.0"],
+        default="auto",
+        help="whose memory model: auto = the launch file's line (the root YAML: 0.6.3)",
+    )
+    p.add_argument(
+        "--mem-per-card-gib",
+        type=float,
+        help="card memory (default: 0.32.0 line 32; 0.6.3 line the BI-V100's "
+        f"{CARD_BYTES:,} bytes)",
+    )
+    p.add_argument(
+        "--gdn-checkpoints",
+        type=int,
+        help=f"V0: GDN state checkpoints in the pool (default: the YAML's "
+        f"{V0_GDN_CHECKPOINTS_ENV}, else {V0_GDN_CHECKPOINTS})",
+    )
     p.add_argument("--tp", type=int, help="default: the yaml's -tp")
     p.add_argument("--gpu-mem-util", type=float, help="default: the yaml's value")
     p.add_argument("--max-num-batched-tokens", type=int, help="default: the yaml's value")
@@ -1011,7 +1334,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": ok, "checks": [asdict(c) for c in checks], **extra}, indent=2))
     else:
         print(format_table(checks))
-        if args.explain:
+        if "v0_budget_table" in extra:
+            print("\n" + extra["v0_budget_table"])
+        if args.explain and "calibration" in extra:
             facts = ModelFacts.load(args.model_config)
             print("\n" + explain(facts, calibrate(facts)))
     return 0 if ok else 1
