@@ -47,6 +47,7 @@ from vllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from vllm.inputs import INPUT_REGISTRY
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -61,14 +62,24 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.interfaces import HasInnerState
+from vllm.model_executor.models.interfaces import HasInnerState, SupportsMultiModal
 from vllm.model_executor.sampling_metadata import SamplingMetadata
 from vllm.model_executor.utils import set_weight_attrs
+from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.sequence import IntermediateTensors
 
 from vllm_overrides.native import kernels
 
 from .gdn_state import GDNStateCache
+from .qwen3_5_mm import (
+    MM_KEYS,
+    dummy_data,
+    image_input_mapper,
+    input_processor,
+    max_image_tokens,
+    per_group,
+)
+from .qwen3_5_vision import Qwen3_5VisionTransformer
 
 logger = logging.getLogger(__name__)
 
@@ -510,8 +521,9 @@ class Qwen3_5TextModel(nn.Module):
         attn_metadata: AttentionMetadata,
         batch: GDNBatch,
         states: GDNStateCache,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         cos_sin = self.cos_sin_cache(x.device)
         n_attn = n_gdn = 0
@@ -536,8 +548,14 @@ class Qwen3_5TextModel(nn.Module):
         return x
 
 
-class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState):
-    """``Qwen3_5MoeForConditionalGeneration`` checkpoints on V0 (text inputs)."""
+@MULTIMODAL_REGISTRY.register_image_input_mapper(image_input_mapper)
+@MULTIMODAL_REGISTRY.register_max_image_tokens(max_image_tokens)
+@INPUT_REGISTRY.register_dummy_data(dummy_data)
+@INPUT_REGISTRY.register_input_processor(input_processor)
+class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState, SupportsMultiModal):
+    """``Qwen3_5MoeForConditionalGeneration`` checkpoints on V0: text and images
+    (:mod:`.qwen3_5_mm` lays a step's images out; :mod:`.qwen3_5_vision` encodes them)."""
+
 
     def __init__(
         self,
@@ -545,8 +563,10 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState):
         cache_config: CacheConfig | None = None,
         quant_config: QuantizationConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        multimodal_config: Any = None,
     ) -> None:
         super().__init__()
+        self.multimodal_config = multimodal_config
         if cache_config is not None and cache_config.enable_prefix_caching:
             # V0 would resume attention from cached blocks while the GDN states of that prefix
             # do not exist (wrong output): until GDN state checkpoints land (issue 47), prefix
@@ -562,6 +582,9 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState):
         self.text_config = text
         self.scheduler_config = scheduler_config
         self.model = Qwen3_5TextModel(text, cache_config, quant_config)
+        vision = getattr(config, "vision_config", None)
+        # Replicated on every TP rank (see qwen3_5_vision); absent for a text-only config.
+        self.visual = Qwen3_5VisionTransformer(vision) if vision is not None else None
         self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size)
         if getattr(text, "tie_word_embeddings", False) or getattr(
             config, "tie_word_embeddings", False
@@ -645,7 +668,29 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState):
         dtype = self.model.embed_tokens.weight.dtype
         states = self._state_cache(input_ids.device, dtype)
         batch = self._batch(attn_metadata, states, input_ids.device, kwargs)
-        return self.model(input_ids, positions, kv_caches, attn_metadata, batch, states)
+        inputs_embeds = self._embed_with_images(input_ids, kwargs)
+        return self.model(
+            input_ids, positions, kv_caches, attn_metadata, batch, states, inputs_embeds
+        )
+
+    def _embed_with_images(
+        self, input_ids: torch.Tensor, kwargs: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """Token embeddings with this step's image tokens replaced by the vision tower's rows
+        (None when the step has no image tokens). Per sequence group, ``image_rows`` picks
+        rows of its encoded images and ``image_token_index`` says where in the batch they go
+        (``qwen3_5_mm.compute_multi_modal_input``)."""
+        if kwargs.get("pixel_values") is None:
+            return None
+        if self.visual is None:
+            raise RuntimeError("image inputs for a model without a vision tower")
+        groups = zip(*(per_group(kwargs[k]) for k in MM_KEYS), strict=True)
+        x = self.model.embed_tokens(input_ids)
+        for pixel_values, grid, rows, index in groups:
+            embeds = self.visual(pixel_values, grid.tolist())
+            x[index.to(x.device)] = embeds[rows.to(x.device)].to(x.dtype)
+        return x
+
 
     def compute_logits(
         self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata
@@ -676,8 +721,16 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState):
             name = ckpt_name
             if name.startswith("model.language_model."):
                 name = "model." + name[len("model.language_model.") :]
-            elif name.startswith(("model.visual.", "visual.", "mtp.")):
-                skipped.add(name.split(".")[1] if name.startswith("model.") else name.split(".")[0])
+            elif name.startswith(("model.visual.", "visual.")):
+                if self.visual is None:
+                    skipped.add("visual")
+                    continue
+                # The tower's modules carry the checkpoint's names (plain copies: replicated).
+                name = name[len("model.") :] if name.startswith("model.") else name
+                self.visual.get_parameter(name[len("visual.") :]).data.copy_(w)
+                continue
+            elif name.startswith("mtp."):
+                skipped.add("mtp")
                 continue
             if "rotary_emb.inv_freq" in name:
                 continue
