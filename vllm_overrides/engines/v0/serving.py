@@ -18,6 +18,14 @@ outputs and rewriting what it yields.
   choice; the ``n > 1`` choices each get their own tool-parser state.
 - ``usage.prompt_tokens_details.cached_tokens`` where the engine reports a prefix-cache hit
   (``RequestOutput.num_cached_tokens``, set by the engine's prefix-cache code when present).
+- A prompt the engine can never schedule is a 400, not a 200 with no tokens: 0.6.3's block
+  manager answers ``NEVER`` for a prompt that needs more KV blocks than the pool minus its 1 %
+  watermark, the scheduler marks it ``FINISHED_IGNORED`` (a warning in the log) and the engine
+  returns it finished with no token. That decision is made in the engine process (the API
+  process's config never learns ``num_gpu_blocks`` under the multiprocessing frontend), so the
+  engine's own answer is the signal: such an output raises :class:`PromptNeverScheduled`,
+  which becomes an OpenAI error body with status 400 -- for streams too, since the first event
+  is awaited before the response starts (it comes with the first output either way).
 """
 
 from __future__ import annotations
@@ -130,6 +138,73 @@ def _refuse_media(serving: Any, messages: Any) -> ErrorResponse | None:
     )
 
 
+NEVER_SCHEDULED = "can never be scheduled"
+
+
+class PromptNeverScheduled(ValueError):
+    """The engine ignored a prompt it can never fit into its KV cache (see module docstring)."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        super().__init__(
+            f"This prompt ({prompt_tokens:,} tokens) {NEVER_SCHEDULED}: it needs more KV-cache "
+            "blocks than the engine has (its GPU blocks less the block manager's 1 % "
+            "watermark). Shorten the prompt."
+        )
+
+
+def never_scheduled(res: Any) -> bool:
+    """A finished output with no token and finish ``length`` in every choice: what 0.6.3's
+    engine returns for a ``FINISHED_IGNORED`` sequence group (``max_tokens`` is at least 1, so
+    a served request always has a token before it is length-capped)."""
+    outputs = getattr(res, "outputs", None) or []
+    return bool(
+        getattr(res, "finished", False)
+        and outputs
+        and all(not o.token_ids and o.finish_reason == "length" for o in outputs)
+    )
+
+
+async def _refuse_ignored(results: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for res in results:
+        if never_scheduled(res):
+            raise PromptNeverScheduled(len(res.prompt_token_ids or ()))
+        yield res
+
+
+def _stream_error(event: str) -> str | None:
+    """The message of a ``data: {"error": {...}}`` stream event (0.6.3's
+    ``create_streaming_error_response``), else None."""
+    if not event.startswith("data: {"):
+        return None
+    try:
+        payload = json.loads(event[len("data: ") :])
+    except ValueError:
+        return None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    return error.get("message") if isinstance(error, dict) else None
+
+
+async def _first_event_or_error(serving: Any, response: Any) -> Any:
+    """For a streamed answer: await its first event; a never-schedulable prompt's error event
+    becomes a 400 response, anything else is streamed as it would have been."""
+    if not hasattr(response, "__anext__"):
+        return response
+    try:
+        first = await response.__anext__()
+    except StopAsyncIteration:
+        return response
+    message = _stream_error(first)
+    if message is not None and NEVER_SCHEDULED in message:
+        return serving.create_error_response(message)
+
+    async def chained() -> AsyncIterator[str]:
+        yield first
+        async for event in response:
+            yield event
+
+    return chained()
+
+
 class _BudgetFit:
     """``max_tokens`` above what the prompt leaves is fitted to it (0.6.3 answers 400)."""
 
@@ -240,8 +315,8 @@ class _FanOutClient:
         limit = SCHEDULER["max_num_seqs"]
         n = getattr(params, "n", 1) or 1
         if limit is None or n <= limit or getattr(params, "_real_n", None):
-            return self._client.generate(inputs, params, request_id, **kw)
-        return self._fan_out(inputs, params, request_id, n, **kw)
+            return _refuse_ignored(self._client.generate(inputs, params, request_id, **kw))
+        return _refuse_ignored(self._fan_out(inputs, params, request_id, n, **kw))
 
     async def _fan_out(self, inputs: Any, params: Any, request_id: str, n: int, **kw: Any):
         from vllm.sampling_params import RequestOutputKind
@@ -323,7 +398,8 @@ class V0ServingChat(_BudgetFit, OpenAIServingChat):
                 request.guided_json = required_calls_schema(request.tools)
                 _REQUIRED_LIST[id(request)] = [t.function.name for t in request.tools]
         try:
-            return await super().create_chat_completion(request, raw_request)
+            response = await super().create_chat_completion(request, raw_request)
+            return await _first_event_or_error(self, response) if request.stream else response
         finally:
             if not request.stream:
                 _REQUIRED_LIST.pop(id(request), None)
@@ -339,10 +415,14 @@ class V0ServingChat(_BudgetFit, OpenAIServingChat):
         self, request, result_generator, request_id, conversation, tokenizer, request_metadata
     ):
         tap = _Tap(tokenizer, stream=False)
-        response = await super().chat_completion_full_generator(
-            request, tap.wrap(result_generator), request_id, conversation, tokenizer,
-            request_metadata,
-        )  # fmt: skip
+        try:
+            response = await super().chat_completion_full_generator(
+                request, tap.wrap(result_generator), request_id, conversation, tokenizer,
+                request_metadata,
+            )  # fmt: skip
+        except PromptNeverScheduled as exc:
+            _REQUIRED_LIST.pop(id(request), None)
+            return self.create_error_response(str(exc))
         required = _REQUIRED_LIST.pop(id(request), None)
         if not isinstance(response, ChatCompletionResponse):
             return response
@@ -497,7 +577,29 @@ def _cached_sum(results: list[Any]) -> int | None:
     return sum(known) if known else None
 
 
+class _RefusingClient:
+    """The engine client, with never-schedulable prompts raised (completions: 0.6.3 turns the
+    ValueError into a 400 itself, or into a stream error event)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def generate(self, *args: Any, **kw: Any) -> Any:
+        return _refuse_ignored(self._client.generate(*args, **kw))
+
+
 class V0ServingCompletion(_BudgetFit, OpenAIServingCompletion):
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.engine_client = _RefusingClient(self.engine_client)
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Any = None):
+        response = await super().create_completion(request, raw_request)
+        return await _first_event_or_error(self, response) if request.stream else response
+
     def request_output_to_completion_response(self, final_res_batch, *args: Any, **kw: Any):
         response = super().request_output_to_completion_response(final_res_batch, *args, **kw)
         cached = _cached_sum(list(final_res_batch))
