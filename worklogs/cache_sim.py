@@ -39,13 +39,14 @@ import argparse
 import contextlib
 import functools
 import hashlib
+import heapq
 import io
 import json
 import logging
 import os
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -455,6 +456,308 @@ def info_max_prompt(info: dict[str, Any], scheduler: Any, sim: SimConfig) -> int
     return scheduler.max_model_len - sim.max_tokens
 
 
+# ----------------------------------------------------------------------------------------------
+# The platform line: vLLM 0.6.3's V0 block manager + our GDN checkpoints (--engine v0)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class V0SimConfig:
+    """One V0 run: the KV pool the preflight predicts with ``checkpoints`` GDN checkpoints."""
+
+    checkpoints: int
+    capacity_scale: float
+    # "engine": engines/v0/prefix_cache.py's saves (prompt's last full block, system-block
+    # end, one block before a block-aligned end; at most 2). "junctions": also the end of the
+    # KV prefix the prompt found cached (the previous turn's end), up to 3 saves.
+    policy: str
+    concurrency: int
+    max_tokens: int
+    layout: str = "v0"
+
+
+class V0BlockPool:
+    """vLLM 0.6.3's ``PrefixCachingBlockAllocator`` as the replay exercises it, without tensors.
+
+    Full blocks are named by a chained content hash; a prompt's full blocks reuse cached ones
+    with the same hash (in use or evictable), the rest get a free block, else the evictor's
+    least recently used one (ties: the most hashed tokens first, ``LRUEvictor``). A finished
+    sequence's full blocks become evictable with its last access time, its partial block goes
+    back to the free pool. ``computed_prefix`` is ``get_common_computed_block_ids``: the leading
+    blocks that were cached *and* computed when the prompt arrived, never its last block."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free = num_blocks  # hashless free blocks
+        self.ref: dict[int, int] = {}  # hash -> sequences using the block (0: evictable)
+        self.meta: dict[int, tuple[int, int]] = {}  # hash -> (last access, hashed tokens)
+        self.heap: list[tuple[int, int, int]] = []  # (last access, -hashed tokens, hash)
+        self.evictions = 0
+
+    def cached(self, h: int) -> bool:
+        return h in self.ref
+
+    def _fresh(self) -> None:
+        """One block for new content: a free one, else evict the LRU evictable block."""
+        if self.free > 0:
+            self.free -= 1
+            return
+        while self.heap:
+            access, neg_depth, h = heapq.heappop(self.heap)
+            if self.ref.get(h) == 0 and self.meta.get(h) == (access, -neg_depth):
+                del self.ref[h]
+                del self.meta[h]
+                self.evictions += 1
+                return
+        raise RuntimeError("no block to evict: the watermark check should have refused this")
+
+    def allocate(self, hashes: Sequence[int], partial: bool, now: int) -> int:
+        """Blocks for a prompt; returns how many leading full blocks were cached (computed)."""
+        leading, gap = 0, False
+        for depth, h in enumerate(hashes, start=1):
+            if h in self.ref:
+                if self.ref[h] == 0:
+                    self.meta[h] = (now, depth * self.block_size)  # out of the evictor
+                self.ref[h] += 1
+                if not gap:
+                    leading += 1
+            else:
+                gap = True
+                self._fresh()
+                self.ref[h] = 1
+                self.meta[h] = (now, depth * self.block_size)
+        if partial:
+            self._fresh()
+        return leading
+
+    def decode(self, out_hashes: Sequence[int], prompt_partial: bool, ends_partial: bool,
+               now: int) -> bool:  # fmt: skip
+        """Blocks the sampled tokens fill: the prompt's partial block becomes the first full
+        one, later ones are new; a full block whose content is already cached is merged into
+        the cached one (its own block freed). Returns whether a partial block is left."""
+        partial_held = prompt_partial
+        for h in out_hashes:
+            if partial_held:
+                partial_held = False  # this block was the prompt's partial one
+            else:
+                self._fresh()
+            if h in self.ref:
+                self.free += 1  # promoted onto the cached copy
+                self.ref[h] += 1
+            else:
+                self.ref[h] = 1
+            self.meta[h] = (now, 0)
+        if ends_partial and not partial_held:
+            self._fresh()
+        return ends_partial
+
+    def release(self, hashes: Sequence[int], partial: bool, now: int) -> None:
+        for depth, h in enumerate(hashes, start=1):
+            self.ref[h] -= 1
+            self.meta[h] = (now, depth * self.block_size)
+            if self.ref[h] == 0:
+                heapq.heappush(self.heap, (now, -depth * self.block_size, h))
+        if partial:
+            self.free += 1
+
+
+class V0CheckpointPool:
+    """GDN checkpoints keyed by the hash of the block that ends at their boundary, LRU, a
+    victim whose KV block is gone taken first (engines/v0/prefix_cache.CheckpointRegistry)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.by_hash: OrderedDict[int, None] = OrderedDict()
+
+    def has(self, h: int) -> bool:
+        return h in self.by_hash
+
+    def touch(self, h: int) -> None:
+        self.by_hash.move_to_end(h)
+
+    def save(self, h: int, kv: V0BlockPool) -> None:
+        if h in self.by_hash:
+            self.by_hash.move_to_end(h)
+            return
+        if self.slots <= 0:
+            return
+        if len(self.by_hash) >= self.slots:
+            victim = next((k for k in self.by_hash if not kv.cached(k)), None)
+            if victim is None:
+                victim = next(iter(self.by_hash))
+            del self.by_hash[victim]
+        self.by_hash[h] = None
+
+
+def v0_block_hashes(ids: np.ndarray, block: int) -> list[int]:
+    """Chained hashes of the full blocks (V0 hashes (previous hash, block tokens) the same way:
+    a block's hash names its whole prefix)."""
+    out, prev = [], 0
+    for i in range(len(ids) // block):
+        prev = hash((prev, ids[i * block : (i + 1) * block].tobytes()))
+        out.append(prev)
+    return out
+
+
+def v0_save_boundaries(ids: np.ndarray, block: int, im_end: int, kv_end: int,
+                       policy: str) -> list[int]:  # fmt: skip
+    """Where a prompt saves GDN states (engines/v0/prefix_cache.save_boundaries, plus the end
+    of its cached KV prefix under the "junctions" policy)."""
+    n = len(ids)
+    last = n // block * block
+    out = [last] if last > 0 else []
+    if im_end >= 0:
+        where = np.flatnonzero(ids[:last] == im_end)
+        j = (int(where[0]) + 1) // block * block if where.size else 0
+        if 0 < j < last:
+            out.append(j)
+    if last == n and n - block > 0 and len(out) < 2:
+        out.append(n - block)
+    out = out[:2]
+    if policy == "junctions" and 0 < kv_end < last and kv_end not in out:
+        out.append(kv_end)
+    return out
+
+
+def v0_pool(checkpoints: int, capacity_scale: float) -> dict[str, Any]:
+    """The KV pool `make preflight` predicts for computility-run.yaml with that many GDN
+    checkpoints (each one costs its bytes of KV)."""
+    from vllm_overrides import preflight as pf
+    from vllm_overrides.launcher import PLATFORM_CONFIG, get_flag, load_run_config
+
+    facts = pf.ModelFacts.load(pf.DEFAULT_MODEL_CONFIG)
+    cfg = load_run_config(PLATFORM_CONFIG)
+    plan = pf.v0_memory_plan(
+        facts,
+        tp=int(get_flag(cfg.command, "-tp") or get_flag(cfg.command, "--tensor-parallel-size")
+               or 1),
+        gpu_memory_utilization=float(get_flag(cfg.command, "--gpu-memory-utilization") or 0.9),
+        max_num_batched_tokens=int(get_flag(cfg.command, "--max-num-batched-tokens") or 8192),
+        max_num_seqs=int(get_flag(cfg.command, "--max-num-seqs") or 256),
+        max_model_len=int(get_flag(cfg.command, "--max-model-len") or 262_144),
+        gdn_checkpoints=checkpoints,
+        ipc=cfg.env.get("ENABLE_CUSTOM_IPC") == "1",
+    )  # fmt: skip
+    blocks = max(int(plan.num_gpu_blocks * capacity_scale), 64)
+    return {"num_blocks": blocks, "block_size": pf.V0_BLOCK_SIZE,
+            "watermark_blocks": int(pf.V0_WATERMARK * blocks),
+            "max_model_len": plan.max_model_len, "preflight_blocks": plan.num_gpu_blocks,
+            "util": plan.gpu_memory_utilization}  # fmt: skip
+
+
+def simulate_v0(sim: V0SimConfig, reqs: Sequence[dict], ideal: Sequence[int],
+                im_end: int) -> dict[str, Any]:  # fmt: skip
+    """Requests one at a time in dataset order (the replay's concurrency 1): each prompt's hit
+    is the longest computed cached prefix whose last block has a GDN checkpoint; its prefill
+    saves checkpoints past the hit; ``max_tokens`` fake tokens are decoded into its blocks."""
+    if sim.concurrency != 1:
+        raise ValueError("the V0 simulator replays at concurrency 1 (the platform's)")
+    pool = v0_pool(sim.checkpoints, sim.capacity_scale)
+    bs = pool["block_size"]
+    kv = V0BlockPool(pool["num_blocks"], bs)
+    ckpt = V0CheckpointPool(sim.checkpoints)
+    limit = pool["max_model_len"] - sim.max_tokens
+    records = []
+    t0 = time.perf_counter()
+    for i, r in enumerate(tqdm(reqs, desc=f"v0 ckpt={sim.checkpoints}", leave=False)):
+        ids = np.asarray(r["ids"][:limit], dtype=np.int32)
+        n = len(ids)
+        status, hit, chunks = "ok", 0, 0
+        if kv.num_blocks - cdiv(n, bs) < pool["watermark_blocks"]:
+            status = "unschedulable"  # BlockSpaceManagerV2: AllocStatus.NEVER
+        else:
+            hashes = v0_block_hashes(ids, bs)
+            leading = kv.allocate(hashes, n % bs != 0, now=i)
+            computed = min(leading, cdiv(n, bs) - 1)  # never the sequence's last block
+            for k in range(computed, 0, -1):
+                if ckpt.has(hashes[k - 1]):
+                    hit = k * bs
+                    ckpt.touch(hashes[k - 1])
+                    break
+            for b in v0_save_boundaries(ids, bs, im_end, computed * bs, sim.policy):
+                if b > hit:
+                    ckpt.save(hashes[b // bs - 1], kv)
+            chunks = cdiv(n - hit, 8192)
+            # Decode: the sampled tokens fill the prompt's partial block and new ones (fake ids:
+            # the next turn's prompt renders the answer its own way), then all are freed.
+            full = np.concatenate([ids, np.full(sim.max_tokens, -1, dtype=np.int32)])
+            out_hashes = v0_block_hashes(full, bs)[len(hashes) :]
+            tail = kv.decode(out_hashes, n % bs != 0, len(full) % bs != 0, now=i)
+            kv.release(hashes + out_hashes, tail, now=i)
+        records.append({
+            "index": i, "id": r["id"], "session_id": r["meta"].get("session_id"),
+            "prompt_tokens": n, "ideal_tokens": min(int(ideal[i]), n - 1),
+            "cached_tokens": hit, "prefill_chunks": chunks, "status": status,
+        })  # fmt: skip
+    summary = pm.cache_efficiency(records)
+    return {
+        "config": asdict(sim),
+        "scheduler": {
+            "engine": "vLLM 0.6.3 V0 (block manager v2, prefix caching) + GDN checkpoints",
+            "block_size": bs, "num_blocks": pool["num_blocks"],
+            "preflight_blocks": pool["preflight_blocks"],
+            "watermark_blocks": pool["watermark_blocks"],
+            "pool_tokens_equiv": pool["num_blocks"] * bs,
+            "predicted_capacity_tokens": pool["preflight_blocks"] * bs,
+            "gpu_memory_utilization": pool["util"], "kv_evictions": kv.evictions,
+        },  # fmt: skip
+        "sim_seconds": round(time.perf_counter() - t0, 2),
+        **summary,
+        "n_unschedulable": sum(1 for x in records if x["status"] != "ok"),
+        "records": records,
+    }
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def im_end_id() -> int:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TINY_MODEL))
+    found = tok.convert_tokens_to_ids("<|im_end|>")
+    return found if isinstance(found, int) and found != tok.unk_token_id else -1
+
+
+def main_v0(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    concurrency = args.concurrency or 1
+    reqs, sha = render_dataset(args.dataset, args.requests, args.token_cache)
+    ideal = pm.ideal_prefix_tokens([r["ids"] for r in reqs])
+    im_end = im_end_id()
+    runs = [
+        simulate_v0(V0SimConfig(ck, scale, policy, concurrency, args.max_tokens), reqs, ideal,
+                    im_end)  # fmt: skip
+        for ck in args.checkpoints
+        for scale in args.capacity_scale
+        for policy in args.policy
+    ]
+    rows = []
+    for run in runs:
+        c, s = run["config"], run["scheduler"]
+        rows.append((
+            c["checkpoints"], c["policy"], c["capacity_scale"], f"{s['num_blocks']:,}",
+            f"{s['pool_tokens_equiv']:,}", f"{s['kv_evictions']:,}", pm.pct(run["hit"]),
+            pm.pct(run["ideal_hit"]), pm.pct(run["efficiency"]), run["n_unschedulable"],
+        ))  # fmt: skip
+    print(pm.render_table(rows, ("ckpts", "policy", "cap x", "blocks", "KV tokens",
+                                 "evictions", "hit", "ideal", "efficiency", "unsched.")))
+    result = {
+        "schema": SCHEMA,
+        "engine": "v0",
+        "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])]),
+        "dataset": {"path": str(args.dataset), "sha256": sha, "n_requests": len(reqs)},
+        "concurrency": concurrency,
+        "max_tokens": args.max_tokens,
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", type=Path, required=True)
@@ -476,7 +779,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="--kv-offloading-size in GiB (all ranks; 0: no CPU tier); default: "
                     "the YAML's")
     ap.add_argument("--token-cache", type=Path, default=Path("/tmp/cache_sim_tokens"))
+    ap.add_argument("--engine", choices=("v1", "v0"), default="v1",
+                    help="v1: vLLM 0.32.0's scheduler (the reference line); v0: the platform "
+                    "line's vLLM 0.6.3 block manager + GDN checkpoints, the KV pool from "
+                    "computility-run.yaml's V0 preflight")
+    ap.add_argument("--checkpoints", type=int, nargs="+", default=[32],
+                    help="v0: GDN checkpoint pool sizes (each one costs its bytes of KV)")
+    ap.add_argument("--policy", nargs="+", choices=("engine", "junctions"), default=["engine"],
+                    help="v0: where checkpoints are saved (see V0SimConfig)")
     args = ap.parse_args(argv)
+    if args.engine == "v0":
+        return main_v0(args, argv)
 
     logging.disable(logging.WARNING)
     from vllm_overrides.launcher import DEFAULT_CONFIG, get_flag, load_run_config
