@@ -16,4 +16,5 @@ assert kernels.extension_loaded(), kernels._load_error; print('vo_native_kernels
 echo "build: $(( $(date +%s) - t0 )) s"
 "$PY" -m pytest tests/native/test_cuda_kernels.py tests/native/test_moe_prefill_kernels.py \
   tests/native/test_gdn_chunk_kernels.py tests/native/test_gdn_conv_kernels.py \
+  tests/native/test_paged_attention_kernels.py \
   -p no:cacheprovider -o addopts="" -q -rs "$@"

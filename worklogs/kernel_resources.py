@@ -22,6 +22,12 @@ Usage (CPU machine, the dev venv; the first run downloads ~200 MB into build/cud
         --sources moe_grouped_gemm.cu --sass --out build/kernel-resources.json
 
 With two trees the table puts them side by side (registers, spill stores / loads, bytes).
+
+``--smem`` instead reports the shared memory a block of each kernel family asks for at Qwen3.6's
+TP4 shapes and the variant picked, on devices granting 227 KB (H100 / H200), 48 KB and 32 KB
+(the card) -- the library's own plan ops, through its CPU-emulation build (no GPU, no nvcc)::
+
+    python worklogs/kernel_resources.py --smem
 """
 
 from __future__ import annotations
@@ -161,7 +167,43 @@ def sass_table(rows: list[KernelUsage], trees: list[str]) -> str:
     return "\n".join(lines)
 
 
+def smem_table() -> str:
+    """The plan ops of csrc/ (the choice each host wrapper makes from the device's opt-in shared
+    memory per block) at three limits. Emulated: blocks of 128 threads, so the tensor-core GDN
+    kernels' per-warp scratch is half the device's (256 threads: +6 KB each); every other
+    figure is the device's."""
+    import torch
+
+    from vllm_overrides.native import kernels
+
+    kernels.enable_cpu_emulation(64)
+    ops = torch.ops.vo_kernels
+    x = torch.zeros(1, 2048, dtype=torch.float16)
+    q = torch.zeros(1, 4, 128, dtype=torch.float16)
+    lines = []
+    try:
+        for limit in (227 * 1024, 48 * 1024, 32 * 1024):
+            ops.emu_set_smem_optin(limit)
+            lines.append(f"device grants {limit // 1024} KB a block:")
+            for name, plan in (
+                ("GDN chunk prefill (K = V = 128)", ops.gdn_chunk_plan(q, 128, 128)),
+                ("MoE gate/up grouped GEMM (K = 2048)", ops.moe_grouped_gemm_plan(x, 2048, True)),
+                ("MoE down grouped GEMM (K = 128)", ops.moe_grouped_gemm_plan(x, 128, False)),
+                ("paged attention, 4K context",
+                 ops.paged_attention_plan(x, 4, 256, 4096, 1)),
+                ("paged attention, 256K context",
+                 ops.paged_attention_plan(x, 4, 256, 262144, 1)),
+            ):  # fmt: skip
+                lines.append(f"  {name}: {plan}")
+    finally:
+        ops.emu_set_smem_optin(227 * 1024)
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if "--smem" in sys.argv:
+        print(smem_table())
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--tree",

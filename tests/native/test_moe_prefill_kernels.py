@@ -156,6 +156,45 @@ def test_grouped_gemms_where_a_block_gets_48_kb(kdev: str, T: int) -> None:
         ops.emu_set_smem_optin(227 * 1024)
 
 
+@pytest.mark.parametrize("kdev,T", cases([1000], [150]), indirect=["kdev"])
+def test_grouped_gemms_where_a_block_gets_32_kb(
+    kdev: str, T: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The card states 32 KB a block: both GEMMs take the one-stage variant (20 KB) instead of
+    the two stages' 40 KB, chosen from the reported limit (emulated: the launch limit itself;
+    on a GPU VO_SMEM_LIMIT caps what the device reports); the same float64 check."""
+    ops = torch.ops.vo_kernels
+    x, w13, w2, order = _grouped_case(kdev, T, torch.float16)
+    if kdev == "cuda":
+        monkeypatch.setenv("VO_SMEM_LIMIT", str(32 * 1024))
+    else:
+        ops.emu_set_smem_optin(32 * 1024)
+    try:
+        for K, gather in ((w13.shape[2], True), (w2.shape[2], False)):
+            assert ops.moe_grouped_gemm_plan(x, K, gather).startswith("one streamed stage, 20480")
+        _check_grouped_gemms(kdev, torch.float16, 0, x, w13, w2, order)
+    finally:
+        if kdev != "cuda":
+            ops.emu_set_smem_optin(227 * 1024)
+
+
+@pytest.mark.parametrize("kdev,T", cases([1000], [150]), indirect=["kdev"])
+def test_grouped_gemms_refused_below_20_kb_fall_back(
+    kdev: str, T: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below the one-stage variant's 20 KB the op refuses (no launch) and moe_prefill serves the
+    call and every later one through the expert loop, with a warning naming the family."""
+    x, w13, w2, _ = _grouped_case(kdev, T, torch.float16)
+    monkeypatch.setenv("VO_SMEM_LIMIT", str(16 * 1024))
+    monkeypatch.setattr(kernels, "_grouped_gemm_ok", True)
+    logits = torch.randn(T, w13.shape[0], device=kdev).half()
+    out = kernels.moe_prefill(x, logits, 2, True, w13, w2, method="wmma")
+    assert kernels._grouped_gemm_ok is False
+    topk_w, topk_ids = moe.route(logits, 2, True)
+    want = _ref_by_expert(x, topk_w, topk_ids, w13, w2, None)
+    assert rel_err(out, want) <= TOL[torch.float16]
+
+
 def _check_grouped_gemms(kdev, dtype, run, x, w13, w2, order) -> None:  # noqa: ANN001
     src, ws, inverse, ends, tiles = order
     I = w2.shape[2]  # noqa: E741

@@ -32,6 +32,13 @@ op                     what one call does                                      l
                        its token itself
 ``qk_norm_rope_gate``  gated attention's q/k ``(1 + w)`` RMSNorm + partial     1
                        NeoX RoPE (plain or interleaved MRoPE) + gate copy
+``paged_write_kv``     new keys / values into the paged cache (pad slots        1
+                       skipped on the device: no host sync)
+``paged_decode``       one token per sequence over its paged context, split     1 (+ 1)
+                       over the context, one log-sum-exp combine (none when
+                       one partition covers it)
+``paged_prefill``      a chunk of new tokens over its cached context, causal    1
+                       in the chunk, varlen, online softmax (float32 FMA tiles)
 ``moe_prefill``        routing + expert counts, token rows into expert order,   4 + GEMMs
                        SiLU-and-mul x routing weight, the combine back to token
                        order with the gated shared expert added; the expert
@@ -79,6 +86,7 @@ import torch
 import torch.nn.functional as F
 
 from . import gdn, moe, qk_norm_rope, rmsnorm, torch_compat
+from . import paged_attention as pa
 
 logger = logging.getLogger("vllm.vllm_overrides.native")
 
@@ -133,6 +141,9 @@ OP_FAMILIES = {
     "moe_grouped_gemm": "MoE prefill expert GEMMs (our grouped GEMM)",
     "qk_norm_rope_gate": "qk-norm-rope",
     "paged_attention": "paged attention",
+    "paged_write_kv": "paged attention KV write",
+    "paged_decode": "paged attention decode",
+    "paged_prefill": "paged attention prefill",
 }
 # Every (op, path) that ran in this process: "fused" (the CUDA extension), "emulated" (the
 # kernels on host threads, tests only) or "torch" (the PyTorch ops). One log line each.
@@ -175,6 +186,20 @@ def _torch_used(op: str, x: torch.Tensor, why: str = "") -> None:
     if op not in TORCH_USED and not torch_compat.is_compiling():
         TORCH_USED.add(op)
         note_path(op, "torch", why or _why_torch(x))
+
+
+def _log_plan(op: str, describe: Any) -> None:
+    """Log once which variant of ``op``'s kernels runs here and the shared memory each block
+    asks for (``describe()`` asks the library: the choice follows what the device reports,
+    its opt-in shared memory per block capped by ``VO_SMEM_LIMIT``, and ``VO_KERNELS_WMMA``)."""
+    key = "plan:" + op
+    if key in _logged or torch_compat.is_compiling():
+        return
+    try:
+        text = describe()
+    except (RuntimeError, AttributeError) as e:  # a library without the plan op
+        text = f"unknown ({e})"
+    _log_once(key, "native op %s [%s]: %s", OP_FAMILIES.get(op, op), op, text)
 
 
 def _why_torch(x: torch.Tensor) -> str:
@@ -580,6 +605,7 @@ def chunk_gated_delta_rule(
         GDN_CHUNK_FUSED = False
         logger.warning("GDN chunk prefill kernel failed, PyTorch path from now on: %s", e)
         return torch_path()
+    _log_plan("gdn_chunk_prefill", lambda: torch.ops.vo_kernels.gdn_chunk_plan(q, K, V))
     if core_attn_out is not None:
         core_attn_out[:Ttot].copy_(o)
     return o.view(B_, T_, HV, V), (final if output_final_state else None)
@@ -794,6 +820,11 @@ def moe_prefill(
             try:
                 y = _grouped_gemms(x, src, w13, w2, ends, tiles, ws)
                 _used("moe_grouped_gemm")
+                _log_plan(
+                    "moe_grouped_gemm",
+                    lambda: f"gate/up: {ops.moe_grouped_gemm_plan(x, w13.shape[2], True)}; "
+                    f"down: {ops.moe_grouped_gemm_plan(x, w2.shape[2], False)}",
+                )
             except RuntimeError as e:
                 # A device that refuses the launch (shared memory, registers) must not fail
                 # requests: the library path serves this and every later call.
@@ -942,6 +973,229 @@ def qk_norm_rope_gate(
     )  # fmt: skip
 
 
+# --------------------------------------------------------------------------------------------
+# Paged attention (csrc/paged_attention.cu; the PyTorch path is .paged_attention). The KV cache
+# layout is that module's: key / value caches [blocks, kv_heads, block_size, D].
+# --------------------------------------------------------------------------------------------
+
+# Cleared for the process when the device refuses a kernel (its shared memory or registers per
+# block fall short): that op family then runs its PyTorch path; the other families keep theirs.
+_paged_ok = {"paged_write_kv": True, "paged_decode": True, "paged_prefill": True}
+
+
+def _paged_refused(op: str, x: torch.Tensor, e: Exception) -> None:
+    _paged_ok[op] = False
+    logger.warning("%s kernel failed, PyTorch path from now on: %s", OP_FAMILIES[op], e)
+    _torch_used(op, x, f"the device refused the kernel: {e}")
+
+
+def _vec_rows(t: torch.Tensor, row_stride: int) -> bool:
+    """Rows of 16-byte vectors: aligned start, row stride a whole number of vectors."""
+    vec = 16 // t.element_size()
+    return t.data_ptr() % 16 == 0 and row_stride % vec == 0
+
+
+def _caches_fit(x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    return (
+        key_cache.dim() == 4
+        and value_cache.shape == key_cache.shape
+        and key_cache.dtype == value_cache.dtype == x.dtype
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and _vec_rows(key_cache, key_cache.shape[3])
+        and _vec_rows(value_cache, value_cache.shape[3])
+    )
+
+
+def paged_write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`.paged_attention.write_kv` (same arguments and result): one launch and no host
+    sync where the kernel serves (the PyTorch path syncs once to drop pad slots)."""
+    op = "paged_write_kv"
+    ok = (
+        _paged_ok[op]
+        and use_cuda(key)
+        and key.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and key.dim() == 3
+        and value.shape == key.shape
+        and value.dtype == key.dtype
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+        and key_cache.dim() == 4
+        and key_cache.dtype == value_cache.dtype == key.dtype
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and key_cache.shape == value_cache.shape
+        and key_cache.shape[1] == key.shape[1]
+        and key_cache.shape[3] == key.shape[2]
+        and slot_mapping.dtype in (torch.int32, torch.int64)
+    )
+    if ok:
+        try:
+            torch.ops.vo_kernels.paged_write_kv(
+                key, value, key_cache, value_cache, slot_mapping.reshape(-1).contiguous()
+            )
+            _used(op)
+            return
+        except (RuntimeError, AttributeError) as e:  # refused, or a library without it
+            _paged_refused(op, key, e)
+    else:
+        _torch_used(op, key)
+    pa.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+# Tokens a decode partition; 0: the kernel's choice (enough partitions to fill the device).
+PAGED_DECODE_PARTITION = int(os.environ.get("VO_PAGED_DECODE_PARTITION", "0") or 0)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """:func:`.paged_attention.decode_attention`: ``[B, H, D]`` in ``query.dtype``. Fused: one
+    launch over (context partitions, kv heads, sequences) and one combine (none when one
+    partition covers the longest context)."""
+    op = "paged_decode"
+    B, H, D = query.shape
+    KV = key_cache.shape[1] if key_cache.dim() == 4 else 0
+    vec = 16 // query.element_size()
+    dv = D // vec if D % vec == 0 else 0
+    ok = (
+        _paged_ok[op]
+        and use_cuda(query)
+        and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and KV > 0
+        and key_cache.shape[3] == D
+        and H % KV == 0
+        and H // KV <= 8
+        and dv > 0
+        and dv & (dv - 1) == 0
+        and dv <= 128
+        and query.stride(2) == 1
+        and query.stride(1) == D
+        and _vec_rows(query, query.stride(0))
+        and _caches_fit(query, key_cache, value_cache)
+        and block_tables.dim() == 2
+    )
+    if ok:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if B else 0
+        try:
+            out = torch.ops.vo_kernels.paged_decode(
+                query, key_cache, value_cache, _int32(block_tables, inner=True),
+                _int32(seq_lens), float(scale), int(max_seq_len), PAGED_DECODE_PARTITION,
+            )  # fmt: skip
+            _used(op)
+            _log_plan("paged_decode", lambda: torch.ops.vo_kernels.paged_attention_plan(
+                query, H // KV, D, int(max_seq_len), B * KV))  # fmt: skip
+            return out
+        except (RuntimeError, AttributeError) as e:  # refused, or a library without it
+            _paged_refused(op, query, e)
+    else:
+        _torch_used(op, query)
+    return pa.decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len
+    )
+
+
+def _int32(t: torch.Tensor, inner: bool = False) -> torch.Tensor:
+    """``t`` as int32 (a no-op for vLLM's tables and lengths), rows contiguous."""
+    t = t if t.dtype == torch.int32 else t.to(torch.int32)
+    if inner:
+        return t if t.stride(-1) == 1 else t.contiguous()
+    return t.contiguous()
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor | None,
+    value_cache: torch.Tensor | None,
+    block_tables: torch.Tensor | None,
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    scale: float,
+    query_start_loc: torch.Tensor | None = None,
+    context_lens_tensor: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`.paged_attention.prefill_attention` (same arguments and result), one launch
+    where the kernel serves. ``query_start_loc`` ``[N + 1]`` / ``context_lens_tensor`` ``[N]``:
+    the lengths already on the device (vLLM's metadata has both); else built from the lists."""
+    op = "paged_prefill"
+    T, H, D = query.shape
+    KV = key.shape[1] if key.dim() == 3 else 0
+    has_cache = key_cache is not None and value_cache is not None
+    ok = (
+        _paged_ok[op]
+        and use_cuda(query)
+        and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and KV > 0
+        and D in (64, 128, 256)
+        and H % KV == 0
+        and 64 % (H // KV) == 0
+        and value.shape == key.shape
+        and key.dtype == value.dtype == query.dtype
+        and query.stride(2) == 1
+        and query.stride(1) == D
+        and key.stride(2) == 1
+        and key.stride(1) == D
+        and value.stride() == key.stride()
+        and _vec_rows(query, query.stride(0))
+        and _vec_rows(key, key.stride(0))
+        and _vec_rows(value, value.stride(0))
+        and (
+            not has_cache
+            or (
+                _caches_fit(query, key_cache, value_cache)
+                and key_cache.shape[1] == KV
+                and key_cache.shape[3] == D
+                and block_tables is not None
+                and block_tables.dim() == 2
+            )
+        )
+        and (has_cache or not any(int(c) for c in context_lens))
+    )
+    if ok:
+        if query_start_loc is None:
+            cu = [0]
+            for n in query_lens:
+                cu.append(cu[-1] + int(n))
+            query_start_loc = torch.tensor(cu, dtype=torch.int32, device=query.device)
+        if context_lens_tensor is None:
+            context_lens_tensor = torch.tensor(
+                [int(c) for c in context_lens], dtype=torch.int32, device=query.device
+            )
+        n = len(query_lens)
+        try:
+            out = torch.ops.vo_kernels.paged_prefill(
+                query, key, value, key_cache if has_cache else None,
+                value_cache if has_cache else None,
+                _int32(block_tables, inner=True) if has_cache else None,
+                _int32(query_start_loc[: n + 1]), _int32(context_lens_tensor[:n]),
+                max((int(q) for q in query_lens), default=0), float(scale),
+            )  # fmt: skip
+            _used(op)
+            return out
+        except (RuntimeError, AttributeError) as e:  # refused, or a library without it
+            _paged_refused(op, query, e)
+    else:
+        _torch_used(op, query)
+    return pa.prefill_attention(
+        query, key, value, key_cache, value_cache, block_tables, query_lens, context_lens, scale
+    )
+
+
 # Fake (meta) implementations: shapes only, for tracing and torch.compile.
 def _register_fakes() -> None:
     lib = "vo_kernels::"
@@ -1061,6 +1315,18 @@ def _register_fakes() -> None:
     @torch_compat.register_fake(lib + "moe_combine")
     def _(y: torch.Tensor, inverse: torch.Tensor, top_k: int, *args: Any) -> torch.Tensor:
         return y.new_empty(inverse.shape[0] // top_k, y.shape[1])
+
+    @torch_compat.register_fake(lib + "paged_decode")
+    def _(query: torch.Tensor, *args: Any) -> torch.Tensor:
+        return torch.empty_like(query)
+
+    @torch_compat.register_fake(lib + "paged_prefill")
+    def _(query: torch.Tensor, *args: Any) -> torch.Tensor:
+        return torch.empty_like(query)
+
+    @torch_compat.register_fake(lib + "paged_write_kv")
+    def _(key: torch.Tensor, *args: Any) -> None:
+        return None
 
     @torch_compat.register_fake(lib + "qk_norm_rope_gate")
     def _(q_gate: torch.Tensor, k: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:

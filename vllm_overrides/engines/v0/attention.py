@@ -32,6 +32,7 @@ from vllm.attention.backends.abstract import (
 )
 from vllm.attention.backends.utils import CommonAttentionState, CommonMetadataBuilder
 
+from vllm_overrides.native import kernels
 from vllm_overrides.native import paged_attention as pa
 
 logger = logging.getLogger("vllm.vllm_overrides.attention")  # under vLLM's handlers
@@ -232,8 +233,10 @@ class VOPagedMetadataBuilder(CommonMetadataBuilder[VOPagedMetadata]):
 
 class VOPagedImpl(AttentionImpl[VOPagedMetadata]):
     """Writes the new keys / values into the paged cache, then attends: prefill tokens with
-    :func:`~vllm_overrides.native.paged_attention.prefill_attention`, decode tokens with
-    :func:`~vllm_overrides.native.paged_attention.decode_attention`."""
+    :func:`~vllm_overrides.native.kernels.paged_prefill_attention`, decode tokens with
+    :func:`~vllm_overrides.native.kernels.paged_decode_attention` -- our CUDA kernels where
+    they load (``csrc/paged_attention.cu``), else the PyTorch ops of
+    :mod:`~vllm_overrides.native.paged_attention` (the selector logs which)."""
 
     def __init__(
         self,
@@ -293,13 +296,13 @@ class VOPagedImpl(AttentionImpl[VOPagedMetadata]):
         key_cache = value_cache = None
         if has_cache:
             key_cache, value_cache = pa.split_kv_cache(kv_cache)
-            pa.write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+            kernels.paged_write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
 
         out = torch.empty_like(q)
         prefill = attn_metadata.prefill_metadata
         if prefill is not None:
             query_lens, context_lens = prefill.prefill_lens()
-            out[:num_prefill] = pa.prefill_attention(
+            out[:num_prefill] = kernels.paged_prefill_attention(
                 q[:num_prefill],
                 k[:num_prefill],
                 v[:num_prefill],
@@ -309,13 +312,15 @@ class VOPagedImpl(AttentionImpl[VOPagedMetadata]):
                 query_lens,
                 context_lens,
                 self.scale,
+                query_start_loc=prefill.query_start_loc,
+                context_lens_tensor=prefill.context_lens_tensor,
             )
         decode = attn_metadata.decode_metadata
         if decode is not None:
             if key_cache is None or value_cache is None:
                 raise RuntimeError(f"{BACKEND_NAME}: decode tokens but no KV cache")
             assert decode.block_tables is not None and decode.seq_lens_tensor is not None
-            out[num_prefill:] = pa.decode_attention(
+            out[num_prefill:] = kernels.paged_decode_attention(
                 q[num_prefill:],
                 key_cache,
                 value_cache,

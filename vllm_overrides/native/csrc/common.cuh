@@ -17,6 +17,25 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cstdlib>
+#include <string>
+
+// A positive integer from the environment (read at each call: a getenv, and tests may change
+// it); unset or not positive: no cap.
+inline int64_t vo_env_limit(const char* name) {
+  const char* v = std::getenv(name);
+  const long long n = v != nullptr ? std::atoll(v) : 0;
+  return n > 0 ? static_cast<int64_t>(n) : INT64_MAX;
+}
+
+// Whether kernels may use nvcuda::wmma's 16x16x16 fragments (VO_KERNELS_WMMA=0: no). A device
+// whose fragments differ (the target card reports M16 x N32 x K32) runs the kernels' FMA
+// variants or the PyTorch path instead.
+inline bool wmma_enabled() {
+  const char* v = std::getenv("VO_KERNELS_WMMA");
+  return v == nullptr || std::string(v) != "0";
+}
+
 #ifdef VO_CPU_EMULATION
 // Test build only: the CUDA execution model on host threads (cpu_emulation.h), so CPU CI runs
 // these very kernels, with 64- and 32-lane warps.
@@ -34,8 +53,13 @@
 #define VO_DEVICE_GUARD(t) const c10::cuda::OptionalCUDAGuard vo_guard_((t).device())
 #define VO_SM_COUNT(t) at::cuda::getDeviceProperties((t).get_device())->multiProcessorCount
 #define VO_WARP_SIZE(t) at::cuda::getDeviceProperties((t).get_device())->warpSize
-#define VO_SMEM_OPTIN(t) \
-  static_cast<int64_t>(at::cuda::getDeviceProperties((t).get_device())->sharedMemPerBlockOptin)
+// What a block may have: the device's opt-in maximum, capped by VO_SMEM_LIMIT (bytes) when set
+// -- how an H100 runs the variants a 32 KB card would get (vo_env_limit, below).
+#define VO_SMEM_OPTIN(t)                                                                   \
+  std::min<int64_t>(                                                                       \
+      static_cast<int64_t>(                                                                \
+          at::cuda::getDeviceProperties((t).get_device())->sharedMemPerBlockOptin),        \
+      vo_env_limit("VO_SMEM_LIMIT"))
 #define VO_DYN_SMEM(type, name) extern __shared__ type name[]
 // A kernel whose blocks ask for more than the 48 KB of dynamic shared memory every device
 // grants by default must opt in before its launch (the device may still refuse: VO_LAUNCH).

@@ -8,6 +8,7 @@
 #include "moe_grouped_gemm.cu"
 #include "moe_prefill.cu"
 #include "native_kernels.cu"
+#include "paged_attention.cu"
 
 TORCH_LIBRARY_FRAGMENT(vo_kernels, m) {
   // The emulated warp width (a GPU's is fixed; the tests run the target's 64 and NVIDIA's 32).

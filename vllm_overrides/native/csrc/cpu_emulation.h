@@ -288,7 +288,10 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
 // An H200's SM count, so that the tests' batch sizes take both of a kernel's grid layouts.
 #define VO_SM_COUNT(t) ((void)(t), 132)
 #define VO_WARP_SIZE(t) ((void)(t), warpSize)
-#define VO_SMEM_OPTIN(t) ((void)(t), smemPerBlockOptin)
+// VO_SMEM_LIMIT caps it as on a device (the variant choice); launches are still checked
+// against smemPerBlockOptin alone.
+#define VO_SMEM_OPTIN(t) \
+  ((void)(t), std::min<int64_t>(smemPerBlockOptin, vo_env_limit("VO_SMEM_LIMIT")))
 // Nothing to opt in to: launch() checks the request against smemPerBlockOptin.
 #define VO_SMEM_OPT_IN(kernel, bytes) ((void)(kernel), (void)(bytes))
 #define VO_DYN_SMEM(type, name) type* name = reinterpret_cast<type*>(vo_emu::current->smem.data())

@@ -72,7 +72,9 @@
 namespace {
 
 constexpr int kChunk = 64;  // C: tokens per chunk (vLLM / FLA use 64 too)
-constexpr int kTile = 32;   // K-dimension (or row) tile of the shared-memory products
+// K-dimension (or row) tile of the float32 path's shared-memory products: 16 keeps its prep and
+// output blocks at 25 / 30 KB for K = V = 128, under the card's 32 KB (32 needed 33 / 42 KB).
+constexpr int kTile = 16;
 constexpr int kMaxDim = 128;  // K, V <= 128 (Qwen3.5 / 3.6 heads are 128)
 constexpr int kMaxVSplit = 16;  // rows of V per state-pass block, at most (smem < 48 KB)
 // Per-thread accumulator counts (outputs of a C x C, C x V, ... product spread over the block).
@@ -312,19 +314,23 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_prep_kernel(
 
 // W (then K~) of the current chunk goes through registers: each thread loads its share of
 // the next operand from global memory before the current product, so the serial chunk walk
-// waits on one memory round trip per chunk at most instead of one per tile.
+// waits on one memory round trip per operand at most instead of one per tile.
+// `nh` (1 or 2): the operands pass through shared memory in nh row blocks of C / nh rows, so a
+// device granting a block less than the whole [C, K + 1] float buffer (33 KB at K = 128:
+// the card's 32 KB) still runs the kernel -- 2 nh barriers a chunk instead of 2.
 constexpr int kStage = kChunk * kMaxDim / kBlock;
 
 __global__ void VO_GDN_BOUNDS gdn_chunk_state_kernel(
-    const int64_t* __restrict__ offs, int HV, int K, int V, int vs,
+    const int64_t* __restrict__ offs, int HV, int K, int V, int vs, int nh,
     const float* __restrict__ Gbuf, const float* __restrict__ Wbuf,
     const float* __restrict__ Ktbuf, float* __restrict__ Ubuf, float* __restrict__ Hbuf,
     const float* __restrict__ h0, float* __restrict__ final_state) {
   VO_DYN_SMEM(float, sm);
   constexpr int C = kChunk;
+  const int R = C / nh;            // rows of an operand block
   float* h = sm;                   // [vs][K + 1]
   float* vn = h + vs * (K + 1);    // [C][vs + 1]  v'
-  float* buf = vn + C * (vs + 1);  // [C][K + 1]   W, then K~
+  float* buf = vn + C * (vs + 1);  // [R][K + 1]   a row block of W, then of K~
   const int s = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * vs, tid = threadIdx.x;
   const int64_t state_off = ((int64_t)s * HV + hv) * V * K;
   for (int e = tid; e < vs * K; e += blockDim.x) {
@@ -332,85 +338,95 @@ __global__ void VO_GDN_BOUNDS gdn_chunk_state_kernel(
     h[r * (K + 1) + d] = h0 != nullptr ? h0[state_off + (int64_t)(v0 + r) * K + d] : 0.f;
   }
   const int64_t c_begin = offs[s], c_end = offs[s + 1];
-  const int CK = C * K;
+  const int CK = C * K, RK = R * K;
+  // Operand `step` of a chunk: W row blocks 0 .. nh - 1, then K~ row blocks 0 .. nh - 1.
+  auto operand = [&](int64_t ch, int step) {
+    return (step < nh ? Wbuf : Ktbuf) + ch * (int64_t)CK + (int64_t)(step % nh) * RK;
+  };
   float stage[kStage];
   auto fetch = [&](const float* src) {
 #pragma unroll
     for (int r = 0; r < kStage; ++r) {
       const int e = tid + r * kBlock;
-      if (e < CK) stage[r] = src[e];
+      if (e < RK) stage[r] = src[e];
     }
   };
   auto spill = [&]() {
 #pragma unroll
     for (int r = 0; r < kStage; ++r) {
       const int e = tid + r * kBlock;
-      if (e < CK) buf[(e / K) * (K + 1) + e % K] = stage[r];
+      if (e < RK) buf[(e / K) * (K + 1) + e % K] = stage[r];
     }
   };
-  if (c_begin < c_end) fetch(Wbuf + (c_begin * HV + hv) * (int64_t)CK);
+  if (c_begin < c_end) fetch(operand(c_begin * HV + hv, 0));
+  // This thread's v' elements: column vj of the slice, rows vi0 + r * vstep; its h elements:
+  // column d = tid % K of rows j0 + r * jstep.
+  const int vj = tid % vs, vi0 = tid / vs, vstep = kBlock / vs;
+  const int hd = tid % K, j0 = tid / K, jstep = kBlock / K;
   for (int64_t c = c_begin; c < c_end; ++c) {
     const int64_t ch = c * HV + hv;
     __syncthreads();  // the previous chunk's h update is done: buf free, h final
-    spill();          // W of this chunk
     // The state entering this chunk, for the output kernel.
     float* hout = Hbuf + ch * (int64_t)V * K + (int64_t)v0 * K;
     for (int e = tid; e < vs * K; e += blockDim.x) hout[e] = h[(e / K) * (K + 1) + e % K];
     float* Uc = Ubuf + ch * (int64_t)C * V + v0;
-    // This thread's v' elements: column j of the slice, rows i0 + r * (kBlock / vs).
-    const int vj = tid % vs, vi0 = tid / vs, vstep = kBlock / vs;
     float acc[kAccCS];
 #pragma unroll
     for (int r = 0; r < kAccCS; ++r) {
       const int i = vi0 + r * vstep;
       acc[r] = i < C ? Uc[(int64_t)i * V + vj] : 0.f;
     }
+    float hacc[kAccSK];
+#pragma unroll
+    for (int r = 0; r < kAccSK; ++r) hacc[r] = 0.f;
     const float eg = expf(Gbuf[ch * C + C - 1]);
-    fetch(Ktbuf + ch * (int64_t)CK);  // in flight during the v' product
-    __syncthreads();
-
-    // v' = U - W h^T, [C, vs] in registers; written over U for the output kernel.
-    for (int d = 0; d < K; ++d) {
-      const float y = h[vj * (K + 1) + d];
+    for (int step = 0; step < 2 * nh; ++step) {
+      if (step > 0) __syncthreads();  // the previous operand block is consumed
+      spill();
+      // The next operand (this chunk's next block, or the next chunk's first), in flight
+      // during this product.
+      if (step + 1 < 2 * nh) fetch(operand(ch, step + 1));
+      else if (c + 1 < c_end) fetch(operand(ch + HV, 0));
+      __syncthreads();
+      const int rb = (step % nh) * R;  // first chunk row of the block in buf
+      if (step < nh) {
+        // v' = U - W h^T over this block's rows, [C, vs] in registers.
+        for (int d = 0; d < K; ++d) {
+          const float y = h[vj * (K + 1) + d];
 #pragma unroll
-      for (int r = 0; r < kAccCS; ++r) {
-        const int i = vi0 + r * vstep;
-        if (i < C) acc[r] -= buf[i * (K + 1) + d] * y;
-      }
-    }
+          for (int r = 0; r < kAccCS; ++r) {
+            const int i = vi0 + r * vstep;
+            if (i >= rb && i < rb + R) acc[r] -= buf[(i - rb) * (K + 1) + d] * y;
+          }
+        }
+        if (step == nh - 1) {  // v' complete: to shared memory and over U (output kernel)
 #pragma unroll
-    for (int r = 0; r < kAccCS; ++r) {
-      const int i = vi0 + r * vstep;
-      if (i < C) {
-        vn[i * (vs + 1) + vj] = acc[r];
-        Uc[(int64_t)i * V + vj] = acc[r];
-      }
-    }
-    __syncthreads();  // W consumed, v' complete
-    spill();          // K~ of this chunk
-    if (c + 1 < c_end) fetch(Wbuf + (ch + HV) * (int64_t)CK);  // next chunk's W, in flight
-    __syncthreads();
-
-    // h = exp(G_last) h + v'^T K~, [vs, K]; each thread owns its h elements: column
-    // d = tid % K of rows j0 + r * (kBlock / K).
-    {
-      const int d = tid % K, j0 = tid / K, jstep = kBlock / K;
-      float hacc[kAccSK];
+          for (int r = 0; r < kAccCS; ++r) {
+            const int i = vi0 + r * vstep;
+            if (i < C) {
+              vn[i * (vs + 1) + vj] = acc[r];
+              Uc[(int64_t)i * V + vj] = acc[r];
+            }
+          }
+        }
+      } else {
+        // h += v'^T K~ over this block's rows (vn complete: the barrier above).
+        for (int m = 0; m < R; ++m) {
+          const float y = buf[m * (K + 1) + hd];
 #pragma unroll
-      for (int r = 0; r < kAccSK; ++r) hacc[r] = 0.f;
-      for (int m = 0; m < C; ++m) {
-        const float y = buf[m * (K + 1) + d];
-#pragma unroll
-        for (int r = 0; r < kAccSK; ++r) {
-          const int j = j0 + r * jstep;
-          if (j < vs) hacc[r] += vn[m * (vs + 1) + j] * y;
+          for (int r = 0; r < kAccSK; ++r) {
+            const int j = j0 + r * jstep;
+            if (j < vs) hacc[r] += vn[(rb + m) * (vs + 1) + j] * y;
+          }
         }
       }
+    }
+    // h = exp(G_last) h + v'^T K~ (each thread its own elements; every read of h in this
+    // chunk was before the last barrier).
 #pragma unroll
-      for (int r = 0; r < kAccSK; ++r) {
-        const int j = j0 + r * jstep;
-        if (j < vs) h[j * (K + 1) + d] = eg * h[j * (K + 1) + d] + hacc[r];
-      }
+    for (int r = 0; r < kAccSK; ++r) {
+      const int j = j0 + r * jstep;
+      if (j < vs) h[j * (K + 1) + hd] = eg * h[j * (K + 1) + hd] + hacc[r];
     }
   }
   __syncthreads();
@@ -1287,6 +1303,56 @@ __global__ void gdn_chunk_offsets_kernel(const I* __restrict__ cu_in, int N,
 // Host wrapper
 // ------------------------------------------------------------------------------------------
 
+// Whether the tensor-core kernels' shared memory fits a device granting `limit` bytes a block.
+bool mma_fits(int K, int V, int64_t limit) {
+  return PrepLayout(K, V).total <= limit && StateLayout(K, kMmaVs).total <= limit &&
+         OutLayout(K, V).total <= limit;
+}
+
+// Which kernels a call runs and the shared memory each block asks for. The tensor-core kernels
+// (16-bit inputs) where the device grants their shared memory (48-94 KB at K = V = 128) and
+// wmma is not switched off (VO_KERNELS_WMMA=0: a device without NVIDIA's 16x16x16 fragments);
+// else the float32 FMA kernels, which take 16-bit inputs too and fit 32 KB (their state pass
+// in two row blocks of W / K~ where one does not fit).
+struct GdnPlan {
+  bool mma;
+  int nh;
+  size_t fa, fb, fc;  // float32 path: prep, state, output bytes
+  int64_t limit;
+  GdnPlan(const at::Tensor& q, int K, int V, int vs) {
+    limit = VO_SMEM_OPTIN(q);
+    mma = q.scalar_type() != at::kFloat && wmma_enabled() && mma_fits(K, V, limit);
+    const int D = std::max(K, V);
+    fa = (4 * kChunk + kChunk * (kChunk + 1) + std::max(kChunk * (kTile + 1), kTile * (D + 1))) *
+         sizeof(float);
+    auto state = [&](int n) {
+      return (vs * (K + 1) + kChunk * (vs + 1) + kChunk / n * (K + 1)) * sizeof(float);
+    };
+    nh = static_cast<int64_t>(state(1)) <= limit ? 1 : 2;
+    fb = state(nh);
+    fc = (3 * kChunk + kChunk * (kChunk + 1) +
+          std::max({2 * kChunk * (kTile + 1), (kChunk + V) * (kTile + 1), kTile * (V + 1)})) *
+         sizeof(float);
+  }
+  std::string describe(int K, int V) const {
+    if (mma)
+      return "tensor-core kernels (wmma 16x16x16), shared memory a block: prep " +
+             std::to_string(PrepLayout(K, V).total) + ", state " +
+             std::to_string(StateLayout(K, kMmaVs).total) + ", output " +
+             std::to_string(OutLayout(K, V).total) + " bytes";
+    return "float32 FMA kernels, shared memory a block: prep " + std::to_string(fa) +
+           ", state " + std::to_string(fb) + (nh > 1 ? " (two row blocks)" : "") + ", output " +
+           std::to_string(fc) + " bytes (device allows " + std::to_string(limit) + ")";
+  }
+};
+
+// The plan of a call on q's device in words (kernels.py logs it with the op's path).
+std::string gdn_chunk_plan(const at::Tensor& q, int64_t K, int64_t V) {
+  const GdnPlan plan(q, K, V, kMaxVSplit);
+  if (!wmma_enabled()) return plan.describe(K, V) + "; VO_KERNELS_WMMA=0";
+  return plan.describe(K, V);
+}
+
 // The tensor-core path's buffers and launches (fp16 / bf16 inputs only).
 template <typename T>
 void launch_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1420,15 +1486,10 @@ std::tuple<at::Tensor, at::Tensor> gdn_chunk_prefill(
     if (major < 8) mma = false;
   }
 #endif
-  const int D = std::max(K, V);
-  const size_t smem_a =
-      (4 * kChunk + kChunk * (kChunk + 1) + std::max(kChunk * (kTile + 1), kTile * (D + 1))) *
-      sizeof(float);
-  const size_t smem_b = (vs * (K + 1) + kChunk * (vs + 1) + kChunk * (K + 1)) * sizeof(float);
-  const size_t smem_c =
-      (3 * kChunk + kChunk * (kChunk + 1) +
-       std::max({2 * kChunk * (kTile + 1), (kChunk + V) * (kTile + 1), kTile * (V + 1)})) *
-      sizeof(float);
+  const GdnPlan plan(q, K, V, vs);
+  mma = mma && plan.mma;
+  const size_t smem_a = plan.fa, smem_b = plan.fb, smem_c = plan.fc;
+  const int nh = plan.nh;
   const float* h0p = h0.has_value() ? h0->data_ptr<float>() : nullptr;
   VO_DISPATCH_FLOATS(q.scalar_type(), "gdn_chunk_prefill", [&] {
     using T_ = scalar_t;
@@ -1449,8 +1510,9 @@ std::tuple<at::Tensor, at::Tensor> gdn_chunk_prefill(
           cup, offp, N, H, HV, K, V, l2norm, Gb.data_ptr<float>(), Wb.data_ptr<float>(),
           Ub.data_ptr<float>(), Kt.data_ptr<float>());
     }
+    VO_SMEM_OPT_IN(gdn_chunk_state_kernel, smem_b);
     VO_LAUNCH(gdn_chunk_state_kernel, dim3(N, HV, V / vs), kBlock, smem_b,
-        offp, HV, K, V, vs, Gb.data_ptr<float>(), Wb.data_ptr<float>(), Kt.data_ptr<float>(),
+        offp, HV, K, V, vs, nh, Gb.data_ptr<float>(), Wb.data_ptr<float>(), Kt.data_ptr<float>(),
         Ub.data_ptr<float>(), Hb.data_ptr<float>(), h0p, fin.data_ptr<float>());
     if (slots > 0 && T > 0) {
       VO_LAUNCH(gdn_chunk_output_kernel<T_>, dim3(slots, HV), kBlock, smem_c,
@@ -1465,6 +1527,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_chunk_prefill(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vo_kernels, m) {
+  m.def("gdn_chunk_plan(Tensor q, int K, int V) -> str");
   m.def("gdn_chunk_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta,"
         " Tensor cu_seqlens, Tensor? initial_state, float scale, bool l2norm, int v_split)"
         " -> (Tensor, Tensor)");
@@ -1472,4 +1535,5 @@ TORCH_LIBRARY_FRAGMENT(vo_kernels, m) {
 
 TORCH_LIBRARY_IMPL(vo_kernels, VO_DISPATCH_KEY, m) {
   m.impl("gdn_chunk_prefill", &gdn_chunk_prefill);
+  m.impl("gdn_chunk_plan", &gdn_chunk_plan);
 }

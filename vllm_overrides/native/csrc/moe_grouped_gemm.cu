@@ -54,8 +54,10 @@ struct Stage {
 
 // Shared memory of a launch, in bytes: two stages, and with A resident its [kTM, K + 8] tile and
 // the epilogue's scratch (a B-only stage is too small for it).
-size_t smem_bytes(bool res_a, int64_t K) {
-  if (!res_a) return 2 * Stage<false>::kElems * sizeof(uint16_t);
+// kOne: one stage instead of two (20 KB: a device granting less than 40 KB a block, the card's
+// 32 KB), two barriers a step instead of one and no load hidden behind the step's products.
+size_t smem_bytes(bool res_a, int64_t K, bool one = false) {
+  if (!res_a) return (one ? 1 : 2) * Stage<false>::kElems * sizeof(uint16_t);
   return (2 * Stage<true>::kElems + kTM * (K + 8)) * sizeof(uint16_t) +
          kWarps * kScrWarp * sizeof(float);
 }
@@ -73,7 +75,8 @@ using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, M, wmma::col_major>;
 // column block re-reads only its weights (A was re-read once per column block).
 // WS: the device's warp width (32 or 64, read by the host), so the thread count, each thread's
 // share of a stage and which of its vectors are A or B rows are constants.
-template <typename T, bool kGather, bool kAct, bool kWalk, bool kResA, int WS>
+// kOne (not with kResA): a single stage, see smem_bytes.
+template <typename T, bool kGather, bool kAct, bool kWalk, bool kResA, int WS, bool kOne = false>
 __global__ void
 #ifndef VO_CPU_EMULATION
 __launch_bounds__(kWarps * 64)  // 64-lane warps at most: <= 128 registers on NVIDIA's 256
@@ -87,6 +90,8 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
   } else {
     using M = typename Mma<T>::type;
     using S = Stage<kResA>;
+    static_assert(!(kOne && kResA), "one stage: streamed A only");
+    constexpr int kMask = kOne ? 0 : 1;  // stage of step t: t & kMask
     constexpr int nthreads = kWarps * WS;
     constexpr int kStageElems = S::kElems, kARows = S::kARows;
     constexpr int kPer = (S::kVecs + nthreads - 1) / nthreads;
@@ -229,7 +234,7 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
         // through the epilogue).
         if (k + 1 < nk) fetch(c, (k + 1) * kTK);
         else if (c + 1 < ncb) fetch(c + 1, 0);
-        const M* st = stage + (t & 1) * kStageElems;
+        const M* st = stage + (t & kMask) * kStageElems;
 #pragma unroll
         for (int kk = 0; kk < kTK; kk += 16) {
           FragA<M> fa[2];
@@ -251,7 +256,8 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
           }
         }
         if (k + 1 < nk) {
-          put((t + 1) & 1);
+          if (kOne) __syncthreads();  // every warp is done with the only stage
+          put((t + 1) & kMask);
           __syncthreads();
         }
       }
@@ -261,10 +267,11 @@ moe_grouped_gemm_kernel(const T* __restrict__ a, int64_t s_a, const int* __restr
         emit(cb0 + c, scratch + warp * kScrWarp);
       } else {
         __syncthreads();  // every warp is past the last stage: it becomes the scratch
-        emit(cb0 + c,
-             reinterpret_cast<float*>(stage + ((t - 1) & 1) * kStageElems) + warp * kScrWarpStage);
+        emit(cb0 + c, reinterpret_cast<float*>(stage + ((t - 1) & kMask) * kStageElems) +
+                          warp * kScrWarpStage);
       }
-      if (c + 1 < ncb) put(t & 1);
+      if (kOne && c + 1 < ncb) __syncthreads();  // the scratch (the only stage) is read
+      if (c + 1 < ncb) put(t & kMask);
       __syncthreads();
     }
   }
@@ -283,6 +290,31 @@ int64_t default_run(int64_t col_blocks, int64_t row_tiles, int64_t k_steps, int6
   while (run > 1 && row_tiles * ((col_blocks + run - 1) / run) < kMinBlocksPerSm * sms)
     run = (run + 1) / 2;
   return run;
+}
+
+// The variant a call runs on a's device: down keeps its A tile resident where the device
+// grants 66 KB a block; otherwise two streamed stages (40 KB), or one (20 KB) on a device
+// granting less (the card's 32 KB).
+struct GemmPlan {
+  bool res_a, one;
+  size_t smem;
+  int64_t limit;
+  GemmPlan(const at::Tensor& a, int64_t K, bool gather) {
+    limit = VO_SMEM_OPTIN(a);
+    res_a = !gather && K <= kResMaxK && static_cast<int64_t>(smem_bytes(true, K)) <= limit;
+    one = !res_a && static_cast<int64_t>(smem_bytes(false, K)) > limit;
+    smem = smem_bytes(res_a, K, one);
+  }
+  std::string describe() const {
+    return std::string(res_a ? "A tile resident" : one ? "one streamed stage" : "two streamed stages") +
+           ", " + std::to_string(smem) + " bytes of shared memory a block (device allows " +
+           std::to_string(limit) + ")";
+  }
+};
+
+std::string moe_grouped_gemm_plan(const at::Tensor& a, int64_t K, bool gather) {
+  if (!wmma_enabled()) return "off (VO_KERNELS_WMMA=0)";
+  return GemmPlan(a, K, gather).describe();
 }
 
 // gate/up (src given): out [P, N / 2] = silu(x[src] w[e][:N/2]^T) * (x[src] w[e][N/2:]^T) * ws;
@@ -337,19 +369,27 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
   TORCH_CHECK(tiles * runs < (int64_t{1} << 31), "moe_grouped_gemm: grid too large");
   // A device that grants a block less than the resident tile needs keeps down on the streamed
   // path (40 KB) instead of losing the kernel to the per-expert loop.
-  const bool res_a =
-      !gather && K <= kResMaxK && static_cast<int64_t>(smem_bytes(true, K)) <= VO_SMEM_OPTIN(a);
-  const size_t smem = smem_bytes(res_a, K);
+  const GemmPlan plan(a, K, gather);
+  TORCH_CHECK(static_cast<int64_t>(plan.smem) <= plan.limit, "moe_grouped_gemm: ", plan.smem,
+              " bytes of shared memory a block, the device allows ", plan.limit);
+  TORCH_CHECK(wmma_enabled(), "moe_grouped_gemm: wmma switched off (VO_KERNELS_WMMA=0)");
+  const bool res_a = plan.res_a, one = plan.one;
+  const size_t smem = plan.smem;
   auto launch = [&](auto* tag, auto width) {
     using S = std::remove_pointer_t<decltype(tag)>;
     constexpr int W = decltype(width)::value;
     constexpr int threads = kWarps * W;
-    auto* kernel = gather ? (run > 1 ? &moe_grouped_gemm_kernel<S, true, true, true, false, W>
-                                     : &moe_grouped_gemm_kernel<S, true, true, false, false, W>)
-                 : res_a  ? (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, true, W>
-                                     : &moe_grouped_gemm_kernel<S, false, false, false, true, W>)
-                          : (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, false, W>
-                                     : &moe_grouped_gemm_kernel<S, false, false, false, false, W>);
+    auto* kernel =
+        gather ? (one ? (run > 1 ? &moe_grouped_gemm_kernel<S, true, true, true, false, W, true>
+                                 : &moe_grouped_gemm_kernel<S, true, true, false, false, W, true>)
+                      : (run > 1 ? &moe_grouped_gemm_kernel<S, true, true, true, false, W>
+                                 : &moe_grouped_gemm_kernel<S, true, true, false, false, W>))
+        : res_a ? (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, true, W>
+                           : &moe_grouped_gemm_kernel<S, false, false, false, true, W>)
+        : one   ? (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, false, W, true>
+                           : &moe_grouped_gemm_kernel<S, false, false, false, false, W, true>)
+                : (run > 1 ? &moe_grouped_gemm_kernel<S, false, false, true, false, W>
+                           : &moe_grouped_gemm_kernel<S, false, false, false, false, W>);
     VO_SMEM_OPT_IN(kernel, smem);
     VO_LAUNCH(kernel, static_cast<unsigned>(tiles * runs), threads, smem,
         a.data_ptr<S>(), a.stride(0), gather ? src->data_ptr<int>() : nullptr, w.data_ptr<S>(),
@@ -369,10 +409,12 @@ at::Tensor moe_grouped_gemm(const at::Tensor& a, const c10::optional<at::Tensor>
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vo_kernels, m) {
+  m.def("moe_grouped_gemm_plan(Tensor a, int K, bool gather) -> str");
   m.def("moe_grouped_gemm(Tensor a, Tensor? src, Tensor w, Tensor ends, Tensor tile_starts,"
         " Tensor? ws, int run=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vo_kernels, VO_DISPATCH_KEY, m) {
   m.impl("moe_grouped_gemm", &moe_grouped_gemm);
+  m.impl("moe_grouped_gemm_plan", &moe_grouped_gemm_plan);
 }
