@@ -120,16 +120,15 @@ def test_verify_imports_every_overlay_module(site: Path) -> None:
     api_compat is imported lazily (inside build_app): only importing every overlay module catches
     it before the server dies at start.
     """
-    target = site / "vllm_overrides" / "api_compat.py"
+    target = site / "vllm_overrides" / "engines" / "v1_0_32" / "api_compat.py"
     original = target.read_bytes()
     try:
         target.write_bytes(original + b'\nraise RuntimeError("broken at import")\n')
         write_manifest(site)  # deployed that way: every sha256 matches
         bad = patch_ops("verify")
         assert bad.returncode != 0
-        assert "vllm_overrides.api_compat: import failed: RuntimeError: broken at import" in (
-            bad.stderr
-        ), bad.stderr
+        want = "vllm_overrides.engines.v1_0_32.api_compat: import failed: RuntimeError: broken"
+        assert f"{want} at import" in bad.stderr, bad.stderr
     finally:
         target.write_bytes(original)
         write_manifest(site)
@@ -208,8 +207,8 @@ def test_the_032_line_registers_no_plugin_and_leaves_the_v0_engine_unimported(si
     modules = patching.imported_modules(site, manifest, patching.OVERLAYS["0.32.0"])
     assert not [m for m in modules if m.startswith("vllm_overrides.engines.v0")]
     for module in (
-        "vllm_overrides.api_compat",
-        "vllm_overrides.native.engine",
+        "vllm_overrides.engines.v1_0_32.api_compat",
+        "vllm_overrides.engines.v1_0_32.native_switch",
         "vllm_overrides.engines",
     ):
         assert module in modules

@@ -69,9 +69,9 @@ OVERLAYS = {
         Overlay(
             "0.6.3",  # the platform's 0.6.3+corex.3.2.3 and the stand-in's 0.6.3+cpu
             PATCHES_DIR / "vllm-0.6.3",
-            # vLLM 0.32.0's switchboard for our ops (patches 0003-0006): torch.library.custom_op
-            # (torch 2.4+) at import; the V0 model calls the native ops directly.
-            not_imported=("vllm_overrides.native.engine",),
+            # imports vLLM 0.32.0's internals (and torch.library.custom_op, torch 2.4+, in its
+            # switchboard for our ops); the V0 model calls the native ops directly.
+            not_imported=("vllm_overrides.engines.v1_0_32",),
             plugin="vllm_overrides.engines.v0:register",
         ),
     )

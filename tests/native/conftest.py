@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-# The 0.32.0 line's glue (vllm_overrides.native.engine: torch.library.custom_op, torch 2.4+) and
+# The 0.32.0 line's glue (engines/v1_0_32/native_switch.py: torch.library.custom_op, torch 2.4+) and
 # the tests that drive it are not collected on an older torch (the card's 2.1: .venv-v0). The
 # shared ops they would also touch are covered there by tests/engines/v0/test_torch21_floor.py.
 collect_ignore = (

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_overrides.native import engine, kernels
+from vllm_overrides.engines.v1_0_32 import native_switch as engine
+from vllm_overrides.native import kernels
 
 utils = pytest.importorskip("vllm.model_executor.layers.utils")
 

@@ -1,4 +1,4 @@
-"""The engine's two ways through a native MoE block (``vllm_overrides.native.engine``) on a
+"""The engine's two ways through a native MoE block (``vllm_overrides.engines.v1_0_32.native_switch``) on a
 stand-in block: the split form (router, shared expert and all-reduce traced; only the routed
 experts in the opaque op) and the whole-block op that ``PROF_MOE_SUMMARY`` uses, which also
 times each section. Both must equal the float64 reference of the whole block."""
@@ -11,7 +11,8 @@ import pytest
 import torch
 from native_util import rel_err
 
-from vllm_overrides.native import engine, moe
+from vllm_overrides.engines.v1_0_32 import native_switch as engine
+from vllm_overrides.native import moe
 from vllm_overrides.native import moe_reference as ref
 
 FP32_TOL = 1e-5

@@ -10,7 +10,8 @@ import pytest
 import torch
 from native_util import rel_err
 
-from vllm_overrides.native import engine, gdn, gdn_checkpoint
+from vllm_overrides.engines.v1_0_32 import native_switch as engine
+from vllm_overrides.native import gdn, gdn_checkpoint
 
 FP32_TOL = 1e-5
 

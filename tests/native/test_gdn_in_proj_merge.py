@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_overrides.native import engine, gdn_in_proj
+from vllm_overrides.engines.v1_0_32 import native_switch as engine
+from vllm_overrides.native import gdn_in_proj
 
 qwen_gdn = pytest.importorskip("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn")
 Upstream = qwen_gdn.QwenGatedDeltaNetAttention

@@ -34,7 +34,7 @@ def test_apply_rotary_emb_cuda_forward_is_the_pytorch_one() -> None:
 def test_engine_registers_it_under_the_switch() -> None:
     code = (
         "from vllm.model_executor.custom_op import op_registry_oot as r\n"
-        "import vllm_overrides.native.engine\n"
+        "import vllm_overrides.engines.v1_0_32.native_switch\n"
         "print(r['ApplyRotaryEmb'].__name__ if 'ApplyRotaryEmb' in r else 'none')\n"
     )
     for flag, want in (("1", "NativeApplyRotaryEmb"), ("0", "none")):

@@ -9,7 +9,7 @@ restarts it). So: SIGKILL the engine core of a real server and require
 * the API server process to exit with a non-zero status within ``EXIT_S``.
 
 The server test starts its own server (not the session fixture: it kills it). The watchdog
-module that provides the non-zero exit (``vllm_overrides.engine_watchdog``) is also tested
+module that provides the non-zero exit (``vllm_overrides.engines.v1_0_32.engine_watchdog``) is also tested
 without a server, on a stand-in app, including its hard-exit deadline.
 """
 
@@ -106,7 +106,7 @@ _STAND_IN = textwrap.dedent(
     """
     import sys, threading, time
     from types import SimpleNamespace
-    from vllm_overrides.engine_watchdog import install_engine_watchdog
+    from vllm_overrides.engines.v1_0_32.engine_watchdog import install_engine_watchdog
 
     class Handler:  # stands in for AsyncLLM.output_handler (an asyncio.Task)
         state = "running"

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, model_validator
 
-from vllm_overrides.api_compat import CompatMiddleware
+from vllm_overrides.engines.v1_0_32.api_compat import CompatMiddleware
 
 
 class Request(BaseModel):

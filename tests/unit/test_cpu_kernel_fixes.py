@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_overrides.cpu_kernel_fixes import conv1d_input_layout
+from vllm_overrides.engines.v1_0_32.cpu_kernel_fixes import conv1d_input_layout
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 7])
@@ -51,7 +51,7 @@ def test_one_token_prefill_runs_in_the_cpu_kernel() -> None:
 
 _FTZ_PROBE = """
 import json, torch
-from vllm_overrides.cpu_kernel_fixes import flush_denormals_on_all_threads
+from vllm_overrides.engines.v1_0_32.cpu_kernel_fixes import flush_denormals_on_all_threads
 torch.set_num_threads(2)
 x = torch.full((1 << 22,), 1e-39)  # denormal; large enough for every OpenMP thread to get a share
 (x * 1.0).sum()  # the pool exists before the flush, as in the engine

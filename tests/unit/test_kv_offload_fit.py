@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_overrides import kv_offload_fit as kof
+from vllm_overrides.engines.v1_0_32 import kv_offload_fit as kof
 
 GIB = kof.GIB
 REPO = Path(__file__).resolve().parents[2]

@@ -33,7 +33,7 @@ import torch
 
 
 def checkpoint_wanted(vllm_config: Any) -> bool:
-    from vllm_overrides.native.engine import GDN_NATIVE
+    from vllm_overrides.engines.v1_0_32.native_switch import GDN_NATIVE
 
     cache = vllm_config.cache_config
     return (
@@ -66,7 +66,7 @@ def prefill_checkpoints(md: Any, nd: int, npf: int) -> tuple[list[int], torch.Te
     offsets = list(ck.offsets[nd : nd + npf])
     if not any(offsets):
         return None
-    from vllm_overrides.native.engine import _mark
+    from vllm_overrides.engines.v1_0_32.native_switch import _mark
 
     _mark("gdn_prefill_checkpoint")
     return offsets, ck.state_indices[nd : nd + npf]

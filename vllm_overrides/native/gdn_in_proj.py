@@ -14,7 +14,7 @@ unit last-dim stride; the PyTorch fallbacks are elementwise).
 
 In an eager decode-only batch the forward goes one step further: the core output comes back
 with the layer's gated output norm applied, from the same decode launch
-(:func:`.engine.gdn_decode_normed`), and only ``out_proj`` follows.
+(:func:`native_switch.gdn_decode_normed`), and only ``out_proj`` follows.
 
 Only the Qwen3.5 layout (``gqa_interleaved_layout=False``) with unquantised, bias-free, plain
 projections is merged; everything else runs upstream's ``forward_cuda`` unchanged, with one log
@@ -66,7 +66,7 @@ def _runtime_reason(layer: Any) -> str | None:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.utils import cpu_unquantized_gemm, default_unquantized_gemm
 
-    from . import engine
+    from vllm_overrides.engines.v1_0_32 import native_switch as engine
 
     if getattr(layer, "enable_fused_gdn_spec_decode", False):
         return "fused GDN spec decode"
@@ -145,7 +145,8 @@ def _first_forward(layer: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         return layer.forward_cuda(hidden_states)
     from vllm.utils.torch_utils import _encode_layer_name
 
-    from . import engine, kernels
+    from vllm_overrides.engines.v1_0_32 import native_switch as engine
+    from vllm_overrides.native import kernels
 
     merged = merge_weights(layer.in_proj_qkvz, layer.in_proj_ba)
     nq = layer.in_proj_qkvz.weight.shape[0]
@@ -192,7 +193,7 @@ def merged_forward(
     """Upstream's Qwen3.5 ``forward_cuda`` with one input GEMM: same splits, same zeroed
     output buffer, same core op, same output projection. Eager decode-only batches may instead
     get the core output with the norm applied from ``normed``
-    (:func:`.engine.gdn_decode_normed`: one launch for core and norm)."""
+    (:func:`native_switch.gdn_decode_normed`: one launch for core and norm)."""
     n = hidden_states.size(0)
     mixed_qkv, z, ba, _ = linear(hidden_states, weight).split(sizes, dim=-1)
     z = z.reshape(n, -1, layer.head_v_dim)

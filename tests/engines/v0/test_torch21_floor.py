@@ -1,7 +1,7 @@
 """The torch-2.1 floor (issue 46): the shared core runs on the card's torch 2.1 / Python 3.10.
 
-* every shared-core module (``vllm_overrides/`` outside ``engines/``) imports, except the
-  0.32.0 line's glue listed in :data:`V032_ONLY`;
+* every shared-core module (``vllm_overrides/`` outside ``engines/``) imports (the 0.32.0
+  line's glue, which needs torch 2.4+, lives in ``engines/v1_0_32/``);
 * each native op family, called through its selector (:mod:`vllm_overrides.native.kernels`, what
   the model calls), takes its PyTorch path on CPU, matches its float64 reference, and says so
   in ``kernels.PATHS``;
@@ -43,11 +43,6 @@ from vllm_overrides.native import qk_norm_rope_reference as qref  # noqa: E402
 from vllm_overrides.native import rmsnorm_reference as rref  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
-# The 0.32.0 line's glue: imports APIs torch 2.1 lacks by design (it moves to
-# vllm_overrides/engines/v1_0_32/). Everything else in the shared core must import here.
-V032_ONLY = {
-    "vllm_overrides.native.engine": "torch.library.custom_op (torch 2.4+), vLLM 0.32.0's MoE op",
-}
 # float32 PyTorch path / emulated kernels against float64 (relative L2 error); fp16 results
 # (their names end in _fp16) against float64 of the same fp16 inputs.
 TOL, TOL_FP16 = 1e-4, 3e-3
@@ -71,13 +66,7 @@ def _shared_core_modules() -> list[str]:
     return out
 
 
-def test_the_excluded_modules_exist() -> None:
-    """The exclusion list names real modules (a renamed one must not widen the gap)."""
-    for name in V032_ONLY:
-        assert name in _shared_core_modules(), name
-
-
-@pytest.mark.parametrize("module", [m for m in _shared_core_modules() if m not in V032_ONLY])
+@pytest.mark.parametrize("module", _shared_core_modules())
 def test_shared_core_module_imports(module: str) -> None:
     importlib.import_module(module)
 

@@ -7,7 +7,7 @@ contiguous, so the kernel raises "expect x to be transposed" inside the engine a
 engine dies. Hooked by patch 0002.
 
 ``flush_denormals_on_all_threads``: the native Gated-DeltaNet path on CPU turns on
-flush-to-zero in every compute thread (no patch: called from ``native.engine``).
+flush-to-zero in every compute thread (no patch: called from ``native_switch``).
 """
 
 from __future__ import annotations

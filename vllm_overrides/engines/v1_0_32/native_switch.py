@@ -5,15 +5,16 @@ else lives here. The switches are read once, at import, from the environment:
 
 ========================  =====================================================================
 ``GDN_NATIVE=1``          Gated DeltaNet conv1d, gates, chunked prefill, recurrent decode and the
-                          gated output norm through :mod:`.gdn` / :mod:`.rmsnorm` (non-spec-decode
-                          batches; a batch with speculative tokens stays on upstream's kernels).
+                          gated output norm through :mod:`native.gdn` / :mod:`native.rmsnorm`
+                          (non-spec-decode batches; a batch with speculative tokens stays on
+                          upstream's kernels).
                           On CPU the layer then runs ``forward_cuda`` (projections in the
                           compiled graph, core through the ``qwen_gdn_attention_core`` op) instead
                           of upstream's bf16-only ``cpu_gdn_attention_core``, and the
                           process flushes denormal floats to zero (see
                           ``cpu_kernel_fixes.flush_denormals_on_all_threads``).
                           Qwen3.5 layers run both input projections as one GEMM
-                          (:mod:`.gdn_in_proj`: one weight tensor, no copy).
+                          (:mod:`native.gdn_in_proj`: one weight tensor, no copy).
 ``MOE_NATIVE=1``          MoE prefill (more than ``MOE_DECODE_MAX_TOKENS`` tokens) through the
                           sort-by-expert path, and MoE decode through the native gather + bmm
                           path (or sort-by-expert with ``MOE_DECODE_NATIVE=1``).
@@ -21,15 +22,15 @@ else lives here. The switches are read once, at import, from the environment:
                           Alone (``MOE_NATIVE=0``) it switches decode only; prefill stays upstream.
 ``RMSNORM_NATIVE=1``      ``GemmaRMSNorm`` (Qwen3.5 ``(1 + w)`` norms, plain and fused-add).
 ``VISION_ROPE_NATIVE=1``  The vision tower's RoPE (``ApplyRotaryEmb``) through upstream's PyTorch
-                          forward on every platform (:mod:`.vision_rope`: vLLM's out-of-tree op
-                          registry, no patch); its CUDA forward is a Triton kernel.
+                          forward on every platform (:mod:`native.vision_rope`: vLLM's
+                          out-of-tree op registry, no patch); its CUDA forward is a Triton kernel.
 ``QK_NORM_ROPE_NATIVE=1`` Gated attention's q/k norm + RoPE + gate split through
-                          :func:`.kernels.qk_norm_rope_gate` (one launch where the extension
+                          :func:`native.kernels.qk_norm_rope_gate` (one launch where the extension
                           runs). Upstream's fused version of it is a Triton kernel that a CUDA
                           platform selects by default.
 ``GEMV_NATIVE=1``         Unquantised linear layers (patch 0011) whose upstream GEMM is the
                           generic ``F.linear`` run inputs of at most ``kernels.GEMV_MAX_ROWS``
-                          rows (a decode step's tokens) through :func:`.kernels.linear`: one
+                          rows (a decode step's tokens) through :func:`native.kernels.linear`: one
                           plain launch of our GEMV instead of cuBLAS's host cost per call.
 ``PROF_TRACE=1``          ``torch.profiler.record_function`` ranges around the native MoE / GDN
                           sections (visible in any torch-profiler trace).
@@ -65,7 +66,7 @@ from typing import Any
 
 import torch
 
-from . import gdn_checkpoint, gdn_in_proj, kernels, moe, vision_rope
+from vllm_overrides.native import gdn_checkpoint, gdn_in_proj, kernels, moe, vision_rope
 
 logger = logging.getLogger("vllm.vllm_overrides.native")
 
@@ -150,7 +151,7 @@ def _range(name: str) -> contextlib.AbstractContextManager[Any]:
 def gemma_rms_norm(
     layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``GemmaRMSNorm.forward_native`` through :mod:`.rmsnorm` (traceable)."""
+    """``GemmaRMSNorm.forward_native`` through :mod:`native.rmsnorm` (traceable)."""
     _mark("gemma_rms_norm")
     return kernels.gemma_rms_norm(x, layer.weight, layer.variance_epsilon, residual)
 
@@ -234,7 +235,7 @@ def unquantized_gemm(impl: Any) -> Any:
 def native_unquantized_gemm(
     layer: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``default_unquantized_gemm`` with a decode step's rows on :func:`.kernels.linear`."""
+    """``default_unquantized_gemm`` with a decode step's rows on :func:`native.kernels.linear`."""
     return kernels.linear(x, weight, bias)
 
 
@@ -246,7 +247,7 @@ def native_unquantized_gemm(
 def gdn_forward_method(layer: Any) -> Any:
     """The layer's forward method (called once both input projections exist). With
     ``GDN_NATIVE``, where upstream picked the generic ``forward_cuda`` (and on CPU instead of
-    upstream's CPU op): :func:`.gdn_in_proj.forward_method`, the same forward with one input
+    upstream's CPU op): :func:`native.gdn_in_proj.forward_method`, the same forward with one input
     GEMM instead of two (falls back to ``forward_cuda`` where the merge does not apply). The
     core op lands in :func:`gdn_forward_core` either way."""
     from vllm.platforms import current_platform
@@ -261,7 +262,7 @@ def gdn_forward_method(layer: Any) -> Any:
 
 
 def gdn_output_norm(norm: Any, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """``RMSNormGated(x, z)`` through :func:`.rmsnorm.rms_norm_gated` (traceable)."""
+    """``RMSNormGated(x, z)`` through :func:`native.rmsnorm.rms_norm_gated` (traceable)."""
     if norm.group_size is not None or not norm.norm_before_gate:
         return norm(x, z)
     _mark("rms_norm_gated")
@@ -294,7 +295,7 @@ _denormals_flushed = False
 def _flush_cpu_denormals() -> None:
     """Once per process, from the thread that runs the model (the OpenMP master)."""
     global _denormals_flushed
-    from vllm_overrides.cpu_kernel_fixes import flush_denormals_on_all_threads
+    from vllm_overrides.engines.v1_0_32.cpu_kernel_fixes import flush_denormals_on_all_threads
 
     _denormals_flushed = True
     ok = flush_denormals_on_all_threads()

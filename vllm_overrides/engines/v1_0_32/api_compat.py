@@ -30,7 +30,7 @@ from vllm_overrides.asgi_body import (
     version_stamped,
     with_header,
 )
-from vllm_overrides.engine_watchdog import install_engine_watchdog
+from vllm_overrides.engines.v1_0_32.engine_watchdog import install_engine_watchdog
 from vllm_overrides.media_errors import install_media_error_mapping
 from vllm_overrides.request_compat import (
     CompatError,
