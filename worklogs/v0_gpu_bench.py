@@ -126,6 +126,9 @@ def cmd_rank_config(args: argparse.Namespace) -> int:
         text.update(SHRINK)
         text["layer_types"] = text["layer_types"][: SHRINK["num_hidden_layers"]]
     cfg["text_config"].update(text)
+    # The template's (tiny) vision tower stays; its output must meet the text width.
+    if "vision_config" in cfg:
+        cfg["vision_config"]["out_hidden_size"] = text["hidden_size"]
     # Special token ids inside the rank's vocabulary shard (the profiling prompt of a multimodal
     # model may open with an image; its ids must index the shard's embedding).
     specials = sorted(k for k, v in cfg.items() if k.endswith("_token_id") and isinstance(v, int))
@@ -136,6 +139,11 @@ def cmd_rank_config(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    # The image processor's settings (the profiling prompt's largest image is sized by them).
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        src = Path(args.template).parent / name
+        if src.exists():
+            (out / name).write_text(src.read_text())
     log(f"wrote {out / 'config.json'}: {json.dumps(text)[:300]}")
     return 0
 
