@@ -216,7 +216,12 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     """Every oracle must hold the same prompts (hf_oracle.py's); the engine runs once."""
     from vllm import SamplingParams
 
-    oracles = {o: json.loads(Path(o).read_text()) for o in args.oracle}
+    missing = [o for o in args.oracle if not Path(o).exists()]
+    if missing:
+        log(f"oracles missing, left out: {missing}")
+    oracles = {o: json.loads(Path(o).read_text()) for o in args.oracle if o not in missing}
+    if not oracles:
+        raise SystemExit("no oracle to compare with")
     first = next(iter(oracles.values()))
     names = [n for n in TINY_NAMES if n in first]
     t0 = time.perf_counter()

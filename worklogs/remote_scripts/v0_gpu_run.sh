@@ -4,9 +4,10 @@
 #   setup   install vLLM 0.6.3's Python layer + the carried wheels into /tmp/v0site (--target),
 #           hide Triton as the card does (sitecustomize: sys.modules["triton"] = None), deploy the
 #           carried tree's overlay with patch_ops.sh apply, JIT-build our extension (background)
-#   tiny    build the tiny model with the device's own transformers 5 (no checkpoint travels:
+#   oracle  build the tiny model with the device's own transformers 5 (no checkpoint travels:
 #           132 MB is over the tool's carry limit), its float32 transformers oracle on the CPU,
-#           then the V0 engine in float32 and float16 against it (and against the carried oracle
+#           (while the extension builds)
+#   tiny    the V0 engine in float32 and float16 against it (and against the carried oracle
 #           of the development machine's build, which applies when the weights' hashes agree)
 #   real    one TP4 rank at real size through V0 (worklogs/v0_gpu_bench.py real)
 #   step032 the 0.32.0 line's step on the same GPU (decode_step_bench.py, cuda, fp16, B = 1)
@@ -23,10 +24,14 @@ export NATIVE_KERNELS=${NATIVE_KERNELS:-auto} NATIVE_KERNELS_JIT=1 VLLM_NO_USAGE
   DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 S=$OUT/summary.txt
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(setup tiny real step032)
+[ ${#steps[@]} -eq 0 ] && steps=(setup oracle real tiny step032)
+DEADLINE=${DEADLINE:-570}  # seconds for the whole call: a step gets at most what is left
 run() {  # name limit command...
   local name=$1 limit=$2 t0=$SECONDS
   shift 2
+  local left=$((DEADLINE - SECONDS - 5))
+  if [ "$left" -lt 20 ]; then echo "== $name skipped: ${left} s left" | tee -a "$S"; return 124; fi
+  [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0)) s" | tee -a "$S"
@@ -59,12 +64,13 @@ transformers.__version__, vllm_overrides.__file__)")
 assert kernels.extension_loaded(), kernels._load_error; print('extension loaded')" \
         > "$OUT/jit.log" 2>&1; echo "== jit rc=$? (background)" >> "$S" ) &
       JIT_PID=$! ;;
-    tiny)
+    oracle)
       (cd $SRC && run tiny_build "${T_TINYBUILD:-120}" env PYTHONPATH=$TOK python3 tests/tiny_model.py \
         --out $SRC/build/tiny-model)
       sha256sum $SRC/build/tiny-model/model.safetensors | tee -a "$S"
       (cd $SRC && run oracle "${T_ORACLE:-150}" env PYTHONPATH=$TOK python3 \
-        tests/native_engine/hf_oracle.py "$OUT/hf_oracle_device.json")
+        tests/native_engine/hf_oracle.py "$OUT/hf_oracle_device.json") ;;
+    tiny)
       [ -n "${JIT_PID:-}" ] && wait "$JIT_PID"
       for dt in float32 float16; do
         run "tiny_$dt" "${T_TINY:-150}" env PYTHONPATH=$SITE python3 worklogs/v0_gpu_bench.py tiny \
