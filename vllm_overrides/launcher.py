@@ -12,7 +12,8 @@ is the one for the vLLM installed beside this module (``COMPUTILITY_RUN_YAML`` o
 
 ``--cpu`` applies the CPU settings: the dtype of the engine's CPU path (0.32.0: ``bfloat16``,
 vLLM's CPU Gated-DeltaNet kernel only runs in bf16; 0.6.3: ``float32``, our ops in exact
-arithmetic, as the oracle tests run them; and ``--swap-space 1``, see ``CPU_V0_SWAP_GIB``), tensor
+arithmetic, as the oracle tests run them; ``--swap-space 1``, see ``CPU_V0_SWAP_GIB``; and a
+largest image of ``CPU_V0_MAX_IMAGE_PIXELS``), tensor
 parallel 1 unless ``--tp`` says otherwise,
 and, unless the caller set them, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM otherwise reserves
 one of two cores, doubling prefill time), ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) and a
@@ -64,6 +65,11 @@ CPU_DTYPE_DEFAULT = "float32"
 # On a CPU machine that is RAM on top of the KV "device" pool: a 6.3 GB engine process for the
 # tiny model, and the out-of-memory killer took it while the tests ran beside other work.
 CPU_V0_SWAP_GIB = "1"
+# The largest image (pixels) on the V0 CPU stand-in, through the model's own operator knob
+# (--mm-processor-kwargs, see engines/v0/qwen3_5_mm.py): the start-up profile encodes an image
+# as large as one prefill chunk holds, which on two CPU cores took minutes at the checkpoint's
+# 16,777,216 pixels; 1024 x 1024 pixels is 1,024 tokens.
+CPU_V0_MAX_IMAGE_PIXELS = 1024 * 1024
 # V0's block manager never schedules a prompt that needs more than its KV blocks less a 1 %
 # watermark: it answers 200 with no tokens. 1 GiB holds exactly 262,144 of the tiny model's
 # float32 tokens, so a prompt near the context got nothing; 2 GiB leaves the headroom.
@@ -197,6 +203,11 @@ def build_launch(
         argv = set_flag(argv, "--dtype", CPU_DTYPE.get(engine, CPU_DTYPE_DEFAULT))
         if engine == "0.6.3":
             argv = set_flag(argv, "--swap-space", CPU_V0_SWAP_GIB)
+            argv = set_flag(
+                argv,
+                "--mm-processor-kwargs",
+                json.dumps({"max_pixels": CPU_V0_MAX_IMAGE_PIXELS}),
+            )
         if tp is None:  # one CPU process; -tp N would ask for N workers
             argv = set_flag(argv, "--tensor-parallel-size", "1")
     argv += extra or []

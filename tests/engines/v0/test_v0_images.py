@@ -31,6 +31,8 @@ NAMES = list(IMAGE_PROMPTS)
 # The stand-in's CPU encodes the tiny tower; cap its largest image (the profiling run encodes
 # one) through the operator knob the platform has too.
 MAX_PIXELS = 512 * 512
+IMAGE_TOKEN = 248_056
+UNUSED_IDS = (248_077, 248_320)  # the tokenizer's length .. the embedding's rows
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +90,12 @@ def _generate(llm: Any, names: list[str], oracle: dict[str, Any]) -> list[list[i
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for name, out in zip(names, outs, strict=True):
-        # The engine's prompt is the expanded one transformers' processor gives.
-        assert list(out.prompt_token_ids) == oracle[name]["expanded"], name
+        # The engine's prompt is the expanded one transformers' processor gives, with image
+        # positions holding content-derived ids from the unused embedding rows (qwen3_5_mm).
+        got, want = list(out.prompt_token_ids), oracle[name]["expanded"]
+        assert len(got) == len(want), name
+        for g, w in zip(got, want, strict=True):
+            assert g == w or (w == IMAGE_TOKEN and UNUSED_IDS[0] <= g < UNUSED_IDS[1]), name
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -143,3 +149,28 @@ def test_placeholder_count_mismatch_is_refused(
         )
     (tokens,) = _generate(llm, ["image_one"], oracle)
     assert tokens == oracle["image_one"]["tokens"][:MAX_NEW]
+
+
+def test_image_ids_follow_the_image_content(llm: Any) -> None:
+    """Admission alone (the engine's input processor): the ids at an image's positions depend
+    on its pixels only, so V0's token-id block hashes tell two images apart (prefix caching)
+    and recognise the same image again."""
+    from vllm.inputs import INPUT_REGISTRY
+
+    process = INPUT_REGISTRY.create_input_processor(llm.llm_engine.model_config)
+    prompt = [1, 2, 248_053, IMAGE_TOKEN, 248_054, 3]
+
+    def ids(spec: list[Any]) -> list[int]:
+        out = process({"prompt_token_ids": prompt, "multi_modal_data": {"image": _images([spec])}})
+        return list(out["prompt_token_ids"])
+
+    red, red_again, other = (
+        ids(["quadrants", 256, 256]),
+        ids(["quadrants", 256, 256]),
+        ids(["noise", 256, 256]),
+    )
+    assert len(red) == len(other) == len(prompt) - 1 + 64
+    assert red == red_again
+    assert red[:3] == other[:3] == prompt[:3] and red[-2:] == other[-2:] == prompt[-2:]
+    assert red[3:-2] != other[3:-2]
+    assert all(UNUSED_IDS[0] <= t < UNUSED_IDS[1] for t in red[3:-2] + other[3:-2])

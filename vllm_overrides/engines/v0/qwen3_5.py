@@ -556,7 +556,6 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState, SupportsMulti
     """``Qwen3_5MoeForConditionalGeneration`` checkpoints on V0: text and images
     (:mod:`.qwen3_5_mm` lays a step's images out; :mod:`.qwen3_5_vision` encodes them)."""
 
-
     def __init__(
         self,
         config: Any,

@@ -19,6 +19,15 @@ Where each step happens and why there:
 * **The model** (``Qwen3_5MoeForConditionalGeneration.forward``) encodes the images a step
   needs and writes their rows at those batch indices over the token embeddings.
 
+Image token ids (prefix caching): V0 hashes a block by its token ids only, so two different
+images of the same size after the same text would share cached blocks (KV and GDN states of the
+wrong image). The model never reads the ids at image positions (the tower's rows replace their
+embeddings, and :func:`compute_multi_modal_input` finds images by their spans, not by ids), so
+the input processor writes there ids drawn from a hash of the image's pixels, from the
+embedding rows that no tokenizer token uses (ids ``len(tokenizer)`` .. ``vocab_size - 1``): the
+same image gives the same ids (a real hit), a different one different ids. Those ids are never
+sampled text; a request's ``prompt_token_ids`` show them instead of ``<|image_pad|>``.
+
 3-D positions (Qwen3.5's interleaved MRoPE; text tokens carry one position on all three axes):
 an image whose first token is at prompt index ``s`` starts at ``base = s + shift`` (``shift``:
 what the earlier images moved the positions) and its token at grid cell ``(r, c)`` gets
@@ -30,7 +39,9 @@ what the earlier images moved the positions) and its token at grid cell ``(r, c)
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +91,25 @@ def image_processor(model_dir: str, max_pixels: int | None = None) -> Qwen3_5Ima
 
 def _hf_config(ctx: Any) -> Any:
     return ctx.model_config.hf_config
+
+
+@functools.lru_cache(maxsize=8)
+def _free_id_range(tokenizer: str, vocab_size: int, revision: str | None) -> tuple[int, int]:
+    """Embedding rows no tokenizer token uses: ``[len(tokenizer), vocab_size)``."""
+    from transformers import AutoTokenizer
+
+    used = len(AutoTokenizer.from_pretrained(tokenizer, revision=revision))
+    return used, vocab_size
+
+
+def image_token_ids(image: Qwen3_5Image, free: tuple[int, int]) -> list[int]:
+    """Ids for an image's positions, a function of its pixels and grid (see the module doc)."""
+    lo, hi = free
+    h = hashlib.sha256(repr(image.grid_thw).encode())
+    h.update(image.pixel_values.float().contiguous().view(torch.uint8).numpy().tobytes())
+    digest = h.digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.randint(lo, hi, (image.num_tokens,), generator=gen).tolist()
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,6 +179,8 @@ def input_processor(ctx: Any, inputs: Any, *, max_pixels: int | None = None) -> 
         except Exception as e:  # PIL decoding errors of a truncated file and the like
             raise ValueError(f"image {k + 1} could not be processed: {e}") from None
         processed.append((pv.to(dtype), grid))
+    mc = ctx.model_config
+    free = _free_id_range(mc.tokenizer, mc.hf_text_config.vocab_size, mc.tokenizer_revision)
     new_ids: list[int] = []
     images: list[Qwen3_5Image] = []
     k = 0
@@ -158,7 +190,10 @@ def input_processor(ctx: Any, inputs: Any, *, max_pixels: int | None = None) -> 
             continue
         pv, grid = processed[k]
         img = Qwen3_5Image(pv, grid, proc.merge_size, start=len(new_ids))
-        new_ids.extend([pad] * img.num_tokens)
+        if free[0] < free[1]:
+            new_ids.extend(image_token_ids(img, free))
+        else:  # no unused rows: every image reads as pads (and V0 cannot tell them apart)
+            new_ids.extend([pad] * img.num_tokens)
         images.append(img)
         k += 1
     return {**inputs, "prompt_token_ids": new_ids, "multi_modal_data": {"image": images}}
@@ -197,22 +232,29 @@ def max_image_tokens(ctx: Any, *, max_pixels: int | None = None) -> int:
 def dummy_data(
     ctx: Any, seq_len: int, mm_counts: Mapping[str, int], *, max_pixels: int | None = None
 ) -> tuple[Any, Any]:
-    """Profiling: a prompt of ``seq_len`` tokens that opens with the largest image the processor
-    allows. V0 profiles one chunk; a chunk that holds part of an image encodes the whole image,
-    so the worst step is a chunk starting inside the largest image (its tokens may run past
-    ``seq_len``: only the chunk's part is placed). The other allowed images sit past the end."""
+    """Profiling: a prompt of ``seq_len`` tokens (V0 profiles one step's worth) holding the
+    largest square image whose tokens fit in it, capped by the processor's largest image; the
+    other allowed images are empty and sit past the end (V0 asks for ``limit`` items).
+
+    As vLLM's own Qwen2-VL profile does, the image fits the profiled step: an image larger than
+    a chunk (up to 16,384 tokens at the checkpoint's 16,777,216 pixels against an 8,192-token
+    chunk) needs more activation memory in the tower than was profiled -- about linear in its
+    patches, since attention runs in bounded query blocks -- which the memory left outside
+    ``--gpu-memory-utilization`` must hold; ``max_pixels`` bounds it."""
     from vllm.sequence import SequenceData
 
     cfg = _hf_config(ctx)
     proc = image_processor(ctx.model_config.model, max_pixels)
-    side = int(proc.max_pixels**0.5)
-    h, w = proc.resized_size(side, side)
-    pv, grid = proc.patchify(torch.zeros(3, h, w, dtype=ctx.model_config.dtype))
+    side = max(1, math.isqrt(max(1, min(proc.max_tokens(), seq_len - 2))))
+    px = side * proc.factor
+    pv, grid = proc.patchify(torch.zeros(3, px, px, dtype=ctx.model_config.dtype))
     count = max(1, int(mm_counts.get("image", 1)))
     first = Qwen3_5Image(pv, grid, proc.merge_size, start=1)
-    rest = [Qwen3_5Image(pv[:0], (1, 0, 0), proc.merge_size, start=seq_len + 1)] * (count - 1)
-    ids = [cfg.vision_start_token_id] + [cfg.image_token_id] * (seq_len - 1)
-    return SequenceData.from_seqs(ids), {"image": [first, *rest]}
+    empty = Qwen3_5Image(pv[:0], (1, 0, 0), proc.merge_size, start=seq_len + 1)
+    n = first.num_tokens
+    ids = [cfg.vision_start_token_id] + [cfg.image_token_id] * n + [cfg.vision_end_token_id]
+    ids += [0] * (seq_len - len(ids))
+    return SequenceData.from_seqs(ids), {"image": [first] + [empty] * (count - 1)}
 
 
 # --------------------------------------------------------------------------------------------
