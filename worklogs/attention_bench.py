@@ -72,14 +72,18 @@ def cache(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return kc, vc, table
 
 
-def bench_decode(ctx: int, bw: float, iters: int) -> dict:
+def bench_decode(ctx: int, bw: float, iters: int, torch_path: bool = True) -> dict:
     kc, vc, table = cache(ctx)
     q = torch.randn(1, H, D, device="cuda").half()
     lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
     scale = D**-0.5
     t_k = timed(lambda: kernels.paged_decode_attention(q, kc, vc, table, lens, scale, ctx), iters)
     assert kernels.PATHS.get("paged_decode") == {"fused"}, kernels.PATHS
-    t_t = timed(lambda: pa.decode_attention(q, kc, vc, table, lens, scale, ctx), 3)
+    t_t = (
+        timed(lambda: pa.decode_attention(q, kc, vc, table, lens, scale, ctx), 3)
+        if torch_path
+        else 0.0
+    )
     kv_bytes = 2 * ctx * KV * D * 2
     floor = kv_bytes / bw
     return {
@@ -110,6 +114,18 @@ def bench_prefill(ctx: int, qlen: int, rate: float, iters: int) -> dict:
     }  # fmt: skip
 
 
+def partition_sweep(bw: float, iters: int) -> list[dict]:
+    """Decode at 32K / 256K with the partition forced (VO_PAGED_DECODE_PARTITION's knob)."""
+    rows = []
+    for ctx in (32768, 262144):
+        for part in (64, 128, 256, 512):
+            kernels.PAGED_DECODE_PARTITION = part
+            r = bench_decode(ctx, bw, iters, torch_path=False)
+            rows.append({"partition": part, **r})
+    kernels.PAGED_DECODE_PARTITION = 0
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path)
@@ -125,6 +141,7 @@ def main() -> None:
         "fp16_matmul_tflops": rate / 1e12,
         "decode": [bench_decode(c, bw, it) for c in (4096, 32768, 262144)],
         "prefill": [bench_prefill(c, 8192, rate, 3) for c in (0, 32768, 65536)],
+        "decode_partition_sweep": partition_sweep(bw, it),
     }
     print(json.dumps(out, indent=1))
     if args.json:

@@ -320,5 +320,6 @@ def test_chunk_prefill_within_32_kb(kdev: str, size: str, monkeypatch: pytest.Mo
     finally:
         if kdev != "cuda":
             ops.emu_set_smem_optin(227 * 1024)
+    ref_o, ref_fin = ref_o.cpu(), ref_fin.cpu()
     assert rel_err(o[0].cpu(), ref_o) <= max(TOL_F16, 2 * rel_err(o_t[0].cpu(), ref_o))
     assert rel_err(fin.cpu(), ref_fin) <= max(TOL_F16, 2 * rel_err(fin_t.cpu(), ref_fin))

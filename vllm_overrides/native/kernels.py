@@ -996,6 +996,19 @@ def _vec_rows(t: torch.Tensor, row_stride: int) -> bool:
 
 
 def _caches_fit(x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Checked once per cache (keyed by address and shape): eager decode calls this every
+    layer, and the caches live for the whole process."""
+    key = (x.dtype, key_cache.data_ptr(), value_cache.data_ptr(), tuple(key_cache.shape))
+    ok = _cache_checked.get(key)
+    if ok is None:
+        ok = _cache_checked[key] = _caches_fit_now(x, key_cache, value_cache)
+    return ok
+
+
+_cache_checked: dict[tuple[Any, ...], bool] = {}
+
+
+def _caches_fit_now(x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     return (
         key_cache.dim() == 4
         and value_cache.shape == key_cache.shape
@@ -1077,7 +1090,7 @@ def paged_decode_attention(
         and KV > 0
         and key_cache.shape[3] == D
         and H % KV == 0
-        and H // KV <= 8
+        and H // KV in (1, 2, 4, 8)
         and dv > 0
         and dv & (dv - 1) == 0
         and dv <= 128

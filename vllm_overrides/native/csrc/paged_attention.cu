@@ -41,7 +41,7 @@
 namespace {
 
 constexpr int kPaMaxG = 8;    // query heads per kv head the kernels take (Qwen3.6: 4 at TP 4)
-constexpr int kPaLanes = 16;  // lanes per key row in the decode score pass (divides any warp)
+constexpr int kPaLanes = 8;  // lanes per key row in the decode score pass (divides any warp)
 
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = warpSize / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(__activemask(), v, o));
@@ -116,12 +116,16 @@ __host__ __device__ inline int64_t decode_smem_floats(int G, int D, int part) {
   return 2LL * G * D + (int64_t)G * part + kPaMaxG * kMaxWarps;
 }
 
-template <typename T>
+// G (query heads of the kv head) is a template constant: the per-head arrays stay in registers
+// at their real size. Score pass: lane group `grp` (kPaLanes lanes) takes key rows in pairs,
+// both rows' 16-byte loads issued before any product (more bytes in flight per lane: the pass
+// is latency-bound otherwise); P V: each thread four tokens a step, loads first.
+template <typename T, int G>
 __global__ void pa_decode_kernel(const T* __restrict__ q, int64_t q_seq, const T* __restrict__ kc,
                                  const T* __restrict__ vc, const int* __restrict__ tables,
                                  int64_t table_stride, const int* __restrict__ seq_lens,
-                                 float scale, int KV, int G, int D, int bs, int part,
-                                 int num_parts, T* __restrict__ out, float* __restrict__ pm,
+                                 float scale, int KV, int D, int bs, int part, int num_parts,
+                                 T* __restrict__ out, float* __restrict__ pm,
                                  float* __restrict__ pl, float* __restrict__ pacc) {
   VO_DYN_SMEM(float, sm);
   const int p = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -144,92 +148,106 @@ __global__ void pa_decode_kernel(const T* __restrict__ q, int64_t q_seq, const T
   const int* table = tables + b * table_stride;
   constexpr int V = Vec<T>::N;
   const int dv = D / V;  // 16-byte vectors a row
-  // Scores: lane group `grp` takes key rows j = grp, grp + ngroups, ...; every lane of a warp
-  // runs the same number of rounds (the group sum is a shuffle every lane must reach).
+  auto row_of = [&](const T* cache, int j) {
+    const int t = t0 + j;
+    return cache + (((int64_t)table[t / bs] * KV + kvh) * bs + t % bs) * D;
+  };
+  // Scores: every lane of a warp runs the same number of rounds (the group sum is a shuffle
+  // every lane must reach); a round is two rows a group.
   {
     const int ngroups = blockDim.x / kPaLanes, grp = tid / kPaLanes, gl = tid % kPaLanes;
-    const int rounds = (n + ngroups - 1) / ngroups;
+    const int rounds = (n + 2 * ngroups - 1) / (2 * ngroups);
     for (int r = 0; r < rounds; ++r) {
-      const int j = r * ngroups + grp;
-      float s[kPaMaxG];
+      const int j0 = (r * ngroups + grp) * 2;
+      float s0[G], s1[G];
 #pragma unroll
-      for (int g = 0; g < kPaMaxG; ++g) s[g] = 0.f;
-      if (j < n) {
-        const int t = t0 + j;
-        const T* row = kc + (((int64_t)table[t / bs] * KV + kvh) * bs + t % bs) * D;
-        for (int c = gl; c < dv; c += kPaLanes) {
-          Vec<T> kv;
-          kv.load(row + c * V);
+      for (int g = 0; g < G; ++g) s0[g] = s1[g] = 0.f;
+      const T* row0 = j0 < n ? row_of(kc, j0) : nullptr;
+      const T* row1 = j0 + 1 < n ? row_of(kc, j0 + 1) : nullptr;
+      for (int c = gl; c < dv; c += kPaLanes) {
+        Vec<T> k0, k1;
+        if (row0 != nullptr) k0.load(row0 + c * V);
+        if (row1 != nullptr) k1.load(row1 + c * V);
 #pragma unroll
-          for (int g = 0; g < kPaMaxG; ++g) {
-            if (g < G) {
-              const float* qg = qs + g * D + c * V;
+        for (int g = 0; g < G; ++g) {
+          const float* qg = qs + g * D + c * V;
 #pragma unroll
-              for (int e = 0; e < V; ++e) s[g] += qg[e] * kv.f[e];
-            }
+          for (int e = 0; e < V; ++e) {
+            if (row0 != nullptr) s0[g] += qg[e] * k0.f[e];
+            if (row1 != nullptr) s1[g] += qg[e] * k1.f[e];
           }
         }
       }
 #pragma unroll
-      for (int g = 0; g < kPaMaxG; ++g)
-        if (g < G) s[g] = group_sum(s[g], kPaLanes);
-      if (j < n && gl == 0) {
+      for (int g = 0; g < G; ++g) {
+        s0[g] = group_sum(s0[g], kPaLanes);
+        s1[g] = group_sum(s1[g], kPaLanes);
+      }
+      if (gl == 0) {
 #pragma unroll
-        for (int g = 0; g < kPaMaxG; ++g)
-          if (g < G) sc[g * part + j] = s[g];
+        for (int g = 0; g < G; ++g) {
+          if (row0 != nullptr) sc[g * part + j0] = s0[g];
+          if (row1 != nullptr) sc[g * part + j0 + 1] = s1[g];
+        }
       }
     }
   }
   __syncthreads();
   // The partition's softmax per head: max, then exp in place, then the sum.
-  float mx[kPaMaxG], den[kPaMaxG];
+  float mx[G], den[G];
 #pragma unroll
-  for (int g = 0; g < kPaMaxG; ++g) {
+  for (int g = 0; g < G; ++g) {
     mx[g] = -INFINITY;
-    if (g < G)
-      for (int j = tid; j < n; j += blockDim.x) mx[g] = fmaxf(mx[g], sc[g * part + j]);
+    for (int j = tid; j < n; j += blockDim.x) mx[g] = fmaxf(mx[g], sc[g * part + j]);
   }
-  block_max<kPaMaxG>(mx, red);
+  block_max<G>(mx, red);
 #pragma unroll
-  for (int g = 0; g < kPaMaxG; ++g) {
+  for (int g = 0; g < G; ++g) {
     den[g] = 0.f;
-    if (g < G)
-      for (int j = tid; j < n; j += blockDim.x) {
-        const float e = exp_sub(sc[g * part + j], mx[g]);
-        sc[g * part + j] = e;
-        den[g] += e;
-      }
+    for (int j = tid; j < n; j += blockDim.x) {
+      const float e = exp_sub(sc[g * part + j], mx[g]);
+      sc[g * part + j] = e;
+      den[g] += e;
+    }
   }
-  block_sum<kPaMaxG>(den, red);  // starts with a barrier: the exp values are visible after it
-  // P V: thread = (token lane tl, 16-byte column c); the token lanes' sums go through `pv` one
-  // lane at a time (a fixed order: the result does not depend on scheduling).
+  block_sum<G>(den, red);  // starts with a barrier: the exp values are visible after it
+  // P V: thread = (token lane tl, 16-byte column c), four tokens a step; the token lanes' sums
+  // go through `pv` one lane at a time (a fixed order: the result does not depend on
+  // scheduling).
   const int lanes = blockDim.x / dv, tl = tid / dv, c = tid % dv;
   if (tl < lanes) {
-    float acc[kPaMaxG][V];
+    float acc[G][V];
 #pragma unroll
-    for (int g = 0; g < kPaMaxG; ++g)
+    for (int g = 0; g < G; ++g)
 #pragma unroll
       for (int e = 0; e < V; ++e) acc[g][e] = 0.f;
-    for (int j = tl; j < n; j += lanes) {
-      const int t = t0 + j;
-      Vec<T> vv;
-      vv.load(vc + (((int64_t)table[t / bs] * KV + kvh) * bs + t % bs) * D + c * V);
+    constexpr int kU = 4;
+    for (int j0 = tl; j0 < n; j0 += kU * lanes) {
+      Vec<T> vv[kU];
 #pragma unroll
-      for (int g = 0; g < kPaMaxG; ++g) {
-        if (g < G) {
-          const float w = sc[g * part + j];
+      for (int u = 0; u < kU; ++u) {
+        const int j = j0 + u * lanes;
+        if (j < n) vv[u].load(row_of(vc, j) + c * V);
+      }
 #pragma unroll
-          for (int e = 0; e < V; ++e) acc[g][e] += w * vv.f[e];
+      for (int u = 0; u < kU; ++u) {
+        const int j = j0 + u * lanes;
+        if (j < n) {
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const float w = sc[g * part + j];
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[g][e] += w * vv[u].f[e];
+          }
         }
       }
     }
     for (int r = 0; r < lanes; ++r) {
       if (r == tl) {
 #pragma unroll
-        for (int g = 0; g < kPaMaxG; ++g)
-          if (g < G)
+        for (int g = 0; g < G; ++g)
 #pragma unroll
-            for (int e = 0; e < V; ++e) pv[g * D + c * V + e] += acc[g][e];
+          for (int e = 0; e < V; ++e) pv[g * D + c * V + e] += acc[g][e];
       }
       __syncthreads();
     }
@@ -241,7 +259,7 @@ __global__ void pa_decode_kernel(const T* __restrict__ q, int64_t q_seq, const T
       const int g = i / D;
       float d = 0.f;
 #pragma unroll
-      for (int gg = 0; gg < kPaMaxG; ++gg)
+      for (int gg = 0; gg < G; ++gg)
         if (gg == g) d = den[gg];
       out[b * (int64_t)H * D + (int64_t)kvh * G * D + i] =
           static_cast<T>(d > 0.f ? pv[i] / d : 0.f);
@@ -255,7 +273,7 @@ __global__ void pa_decode_kernel(const T* __restrict__ q, int64_t q_seq, const T
   if (tid < G) {
     float m = 0.f, l = 0.f;
 #pragma unroll
-    for (int g = 0; g < kPaMaxG; ++g)
+    for (int g = 0; g < G; ++g)
       if (g == tid) {
         m = mx[g];
         l = den[g];
@@ -586,13 +604,16 @@ void paged_write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   });
 }
 
-// Tokens a decode partition: enough partitions for ~4 blocks an SM at this batch, between
-// 64 and 512 tokens (the score tile's shared memory), more only past 4096 partitions.
+// Tokens a decode partition: about one block an SM at this batch, between 256 and 512 tokens
+// (the score tile's shared memory), more only past 4096 partitions. A block's fixed costs (q,
+// the reductions, its partial) want long partitions: on an H100 at B = 1 (worklogs/LEDGER.md,
+// issue 48) 32K took 82 / 53 / 49 / 71 us with partitions of 64 / 128 / 256 / 512 tokens and
+// 256K 882 / 520 / 344 / 251 us.
 int64_t decode_partition(int64_t max_len, int64_t blocks_per_part, int64_t sms) {
-  const int64_t want = std::max<int64_t>(1, (4 * sms + blocks_per_part - 1) / blocks_per_part);
+  const int64_t want = std::max<int64_t>(1, (sms + blocks_per_part - 1) / blocks_per_part);
   int64_t part = (max_len + want - 1) / want;
   part = (part + 63) / 64 * 64;
-  part = std::min<int64_t>(512, std::max<int64_t>(64, part));
+  part = std::min<int64_t>(512, std::max<int64_t>(256, part));
   const int64_t least = (max_len + 4095) / 4096;
   return std::max(part, (least + 63) / 64 * 64);
 }
@@ -610,9 +631,11 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key_cache,
               "paged_decode: query [B, H, D] with contiguous heads");
   const int B = query.size(0), H = query.size(1), D = query.size(2);
   const int KV = key_cache.size(1), bs = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == D && H % KV == 0 && H / KV <= kPaMaxG,
-              "paged_decode: H a multiple of kv_heads, at most ", kPaMaxG, " per kv head");
+  TORCH_CHECK(key_cache.size(3) == D && H % KV == 0,
+              "paged_decode: H a multiple of kv_heads");
   const int G = H / KV;
+  TORCH_CHECK(G == 1 || G == 2 || G == 4 || G == 8,
+              "paged_decode: 1, 2, 4 or 8 query heads a kv head");
   const int64_t vec = 16 / query.element_size();
   TORCH_CHECK(D % vec == 0 && kBlock % (D / vec) == 0 && D / vec <= kBlock,
               "paged_decode: D a multiple of ", vec, " whose vectors divide the block");
@@ -638,24 +661,26 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key_cache,
               "paged_decode: ", std::max(smem, smem_c), " bytes of shared memory a block, the "
               "device allows ", smem_limit(query));
   TORCH_CHECK(P <= 65535, "paged_decode: too many partitions");
-  at::Tensor pm, pl, pacc;
-  if (P > 1) {
-    auto f32 = query.options().dtype(at::kFloat);
-    pm = at::empty({B, H, P}, f32);
-    pl = at::empty({B, H, P}, f32);
-    pacc = at::empty({B, H, P, D}, f32);
-  }
+  // The partials in one allocation: m [B, H, P] | l [B, H, P] | P V [B, H, P, D].
+  at::Tensor partials;
+  if (P > 1) partials = at::empty({(int64_t)B * H * P * (D + 2)}, query.options().dtype(at::kFloat));
   VO_DISPATCH_FLOATS(query.scalar_type(), "paged_decode", [&] {
     using T_ = scalar_t;
-    float* pmp = P > 1 ? pm.data_ptr<float>() : nullptr;
-    float* plp = P > 1 ? pl.data_ptr<float>() : nullptr;
-    float* pap = P > 1 ? pacc.data_ptr<float>() : nullptr;
-    VO_SMEM_OPT_IN(pa_decode_kernel<T_>, smem);
-    VO_LAUNCH(pa_decode_kernel<T_>, dim3(P, KV, B), kBlock, smem, query.data_ptr<T_>(),
-              query.stride(0), key_cache.data_ptr<T_>(), value_cache.data_ptr<T_>(),
-              block_tables.data_ptr<int>(), block_tables.stride(0), seq_lens.data_ptr<int>(),
-              static_cast<float>(scale), KV, G, D, bs, static_cast<int>(part),
-              static_cast<int>(P), out.data_ptr<T_>(), pmp, plp, pap);
+    float* pmp = P > 1 ? partials.data_ptr<float>() : nullptr;
+    float* plp = P > 1 ? pmp + (int64_t)B * H * P : nullptr;
+    float* pap = P > 1 ? plp + (int64_t)B * H * P : nullptr;
+    auto launch = [&](auto kernel) {
+      VO_SMEM_OPT_IN(kernel, smem);
+      VO_LAUNCH(kernel, dim3(P, KV, B), kBlock, smem, query.data_ptr<T_>(), query.stride(0),
+                key_cache.data_ptr<T_>(), value_cache.data_ptr<T_>(),
+                block_tables.data_ptr<int>(), block_tables.stride(0), seq_lens.data_ptr<int>(),
+                static_cast<float>(scale), KV, D, bs, static_cast<int>(part),
+                static_cast<int>(P), out.data_ptr<T_>(), pmp, plp, pap);
+    };
+    if (G == 1) launch(pa_decode_kernel<T_, 1>);
+    else if (G == 2) launch(pa_decode_kernel<T_, 2>);
+    else if (G == 4) launch(pa_decode_kernel<T_, 4>);
+    else launch(pa_decode_kernel<T_, 8>);
     if (P > 1) {
       VO_SMEM_OPT_IN(pa_decode_combine_kernel<T_>, smem_c);
       VO_LAUNCH(pa_decode_combine_kernel<T_>, dim3(H, B), kBlock, smem_c, pmp, plp, pap,
