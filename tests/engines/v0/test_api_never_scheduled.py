@@ -87,17 +87,28 @@ def test_a_prompt_that_fits_is_served(kind: str, stream: bool) -> None:
 
 def test_detection_needs_every_choice_empty_and_length() -> None:
     from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sequence import RequestMetrics
 
     from vllm_overrides.engines.v0.serving import never_scheduled
 
-    def res(outputs: list[tuple[list[int], str | None]], finished: bool = True) -> Any:
+    def metrics(scheduled: float | None) -> RequestMetrics:
+        return RequestMetrics(arrival_time=1.0, last_token_time=1.0, first_scheduled_time=scheduled,
+                              first_token_time=scheduled, time_in_queue=None)  # fmt: skip
+
+    def res(outputs: list[tuple[list[int], str | None]], finished: bool = True,
+            m: RequestMetrics | None = None) -> Any:  # fmt: skip
         outs = [CompletionOutput(i, "", ids, 0.0, None, fin) for i, (ids, fin) in
                 enumerate(outputs)]  # fmt: skip
-        return RequestOutput("r", None, [1, 2], None, outs, finished)
+        return RequestOutput("r", None, [1, 2], None, outs, finished, metrics=m)
 
+    # Without metrics (scripted engines): the outputs decide.
     assert never_scheduled(res([([], "length")]))
     assert never_scheduled(res([([], "length"), ([], "length")]))
     assert not never_scheduled(res([([], "length")], finished=False))
     assert not never_scheduled(res([([7], "length")]))  # max_tokens 1 served
     assert not never_scheduled(res([([], "length"), ([7], "stop")]))
     assert not never_scheduled(res([([], "stop")]))
+    # With the engine's metrics: never scheduled decides, whatever ids a delta output carries
+    # (0.6.3's delta slice of zero new tokens is the whole prompt).
+    assert never_scheduled(res([([1, 2], "length")], m=metrics(None)))
+    assert not never_scheduled(res([([], "length")], m=metrics(2.0)))

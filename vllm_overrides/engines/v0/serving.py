@@ -153,15 +153,21 @@ class PromptNeverScheduled(ValueError):
 
 
 def never_scheduled(res: Any) -> bool:
-    """A finished output with no token and finish ``length`` in every choice: what 0.6.3's
-    engine returns for a ``FINISHED_IGNORED`` sequence group (``max_tokens`` is at least 1, so
-    a served request always has a token before it is length-capped)."""
+    """What 0.6.3's engine returns for a ``FINISHED_IGNORED`` sequence group: finished, every
+    choice with finish ``length``, and never scheduled (``metrics.first_scheduled_time`` is
+    None: the scheduler sets it on the first step that runs the group). Without metrics (an
+    engine that sends none) the outputs decide: no token at all (``max_tokens`` >= 1, so a
+    served request always has one). Not the token ids when metrics exist: a streamed (delta)
+    ignored output carries the whole prompt as its "new" ids (0.6.3 slices ``ids[-0:]``)."""
     outputs = getattr(res, "outputs", None) or []
-    return bool(
-        getattr(res, "finished", False)
-        and outputs
-        and all(not o.token_ids and o.finish_reason == "length" for o in outputs)
-    )
+    if not (getattr(res, "finished", False) and outputs):
+        return False
+    if not all(o.finish_reason == "length" and not o.text for o in outputs):
+        return False
+    metrics = getattr(res, "metrics", None)
+    if metrics is not None:
+        return metrics.first_scheduled_time is None and metrics.first_token_time is None
+    return all(not o.token_ids for o in outputs)
 
 
 async def _refuse_ignored(results: AsyncIterator[Any]) -> AsyncIterator[Any]:
