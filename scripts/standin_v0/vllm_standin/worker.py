@@ -12,6 +12,7 @@ engine). Only what needs a CUDA device is replaced:
   from ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1) instead of profiling device memory.
 - ``load_model``: vLLM's ``DeviceMemoryProfiler`` reads CUDA/XPU counters only (on the CPU
   platform it fails with an unbound local); it is measured as process RSS instead.
+- torch's CPU threads: ``VLLM_STANDIN_TORCH_THREADS`` (default 1), see :func:`torch_threads`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,28 @@ logger = init_logger(__name__)
 ops.register()
 
 DEFAULT_KV_GIB = 1
+DEFAULT_TORCH_THREADS = 1
+
+
+def torch_threads() -> int:
+    """How many intra-op threads the worker's torch uses (``VLLM_STANDIN_TORCH_THREADS``).
+
+    On the card the model runs on the device and these threads only launch kernels. Here they
+    compute, and torch's default (one per core) cost a decode step of the tiny model 376 ms
+    instead of 37 ms on the two-core machine with other processes busy (the API server, the
+    test client, other work): each of a step's ~1,000 small ops opens an OpenMP region whose
+    spinning threads wait for one that the kernel has descheduled (~10 ms per op; a
+    (1x128)x(128x512) linear: 10.4 ms with 2 threads, 0.010 ms with 1). One thread loses at
+    most the second core's share of a large prefill on an idle machine.
+    """
+    raw = os.environ.get("VLLM_STANDIN_TORCH_THREADS", str(DEFAULT_TORCH_THREADS))
+    try:
+        threads = int(raw)
+    except ValueError as exc:
+        raise ValueError(f"VLLM_STANDIN_TORCH_THREADS must be an integer, got {raw!r}") from exc
+    if threads < 1:
+        raise ValueError(f"VLLM_STANDIN_TORCH_THREADS must be >= 1, got {threads}")
+    return threads
 
 
 def kv_cache_bytes() -> int:
@@ -120,6 +143,7 @@ class StandinWorker(Worker):
             raise RuntimeError(f"StandinWorker runs on the CPU, got {self.device_config.device}")
         self.device = torch.device("cpu")
         self.init_gpu_memory = 0
+        torch.set_num_threads(torch_threads())
         # No NCCL device here: without this, a TP group would build a PyNcclCommunicator from
         # the torch wheel's libnccl and fail on torch.cuda.device("cpu"). vLLM disables pynccl
         # when the library cannot load, as on any machine without NCCL; the all-reduces then
