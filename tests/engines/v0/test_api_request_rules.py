@@ -3,6 +3,8 @@ serves must validate against vLLM 0.6.3's own request models after the shared ru
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from vllm_overrides.engines.v0 import request_rules as rules
@@ -121,7 +123,37 @@ def test_history_shapes_validate_and_keep_the_reasoning() -> None:
     assert args == ['{"city": "Paris"}', "{}"]
 
 
-def test_json_object_stays_on_vllms_path_with_thinking_off() -> None:
+def test_json_object_becomes_the_object_regex_with_thinking_off() -> None:
     request, _ = adapt({"messages": USER, "response_format": {"type": "json_object"}})
-    assert request.response_format.type == "json_object" and request.guided_json is None
+    assert request.response_format is None and request.guided_json is None
+    assert request.guided_regex == rules.JSON_OBJECT_REGEX
     assert request.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_json_object_with_a_guided_field_is_a_400() -> None:
+    with pytest.raises(CompatError):
+        adapt({"messages": USER, "response_format": {"type": "json_object"}, "guided_regex": "a"})
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{}', '{"name": "Alice", "age": 30}', '{\n  "a": [1, -2.5e3, true, null, "x"],\n  "b": {}}',
+     '{"s": "q\\"uote \\u00e9 \\n", "o": {"k": false}, "n": [] }', '{ "e" : [ ] }'],
+)  # fmt: skip
+def test_the_object_regex_accepts_json_objects(text: str) -> None:
+    import re
+
+    assert isinstance(json.loads(text), dict)
+    assert re.fullmatch(rules.JSON_OBJECT_REGEX, text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['[]', '"x"', '3', '{"a": 1,}', "{'a': 1}", '{"a": 01}', '{"a": [1, 2', '{"a": "\n"}',
+     '{"a": {"b": {"c": 1}}}', '{"a": {"b": []}}', '{"a": tru}', '{"a": 1} {}'],
+)  # fmt: skip
+def test_the_object_regex_refuses_the_rest(text: str) -> None:
+    """Not JSON objects, or nested deeper than the bound (the two ``{"a": {"b": ...}}``)."""
+    import re
+
+    assert not re.fullmatch(rules.JSON_OBJECT_REGEX, text)

@@ -13,11 +13,16 @@ unknown fields (a warning in the log). The rules:
 - ``tool_choice: "none"`` / ``"required"`` (0.6.3 refuses both) travel in the ``MARKER_HEADER``
   request header to ``engines/v0/serving.py``, which applies them;
 - ``response_format: json_schema`` (0.6.3 accepts and ignores it) becomes ``guided_json``;
-  ``json_object`` stays on 0.6.3's own path (outlines' JSON grammar). Mapping it to an
-  "any object" schema was tried and dropped: outlines compiles a schema's regex index in the API
-  process holding the GIL (333 s for that schema and the 248K vocabulary on the stand-in), the
-  engine client misses the engine's heartbeats for more than ``VLLM_RPC_TIMEOUT`` (10 s) and
-  declares the engine dead;
+  ``json_object`` becomes ``guided_regex`` :data:`JSON_OBJECT_REGEX`, a JSON object nested at
+  most two deep (its values: strings, numbers, booleans, null, or objects / arrays of those).
+  0.6.3's own json_object path is outlines' Lark grammar (``CFGGuide``), which compiles regex
+  guides for each terminal inside the engine's step and ships a 19.7 MB pickle (the adapted
+  tokenizer) with every request: 150 s for 64 tokens of the tiny model on the stand-in, twice in
+  a row, so the platform's t8 (4,096 tokens, 300 s) could not finish. An "any object" JSON
+  schema was worse (333 s to build its index). The regex's index is built once per process
+  (~110 s cold on the loaded two-core stand-in, then outlines' disk cache: ~2 s) and costs
+  ~0.1 s a step at most. The depth bound is what keeps that index small; it is the one way this
+  json_object is narrower than the 0.32.0 line's;
 - structured output (JSON, a regex / choice / grammar, a forced tool call) renders with thinking
   off unless the client asked for thinking: 0.6.3 applies the grammar from the first generated
   token, so inside an open think block it would fill the reasoning, never the answer. Asking for
@@ -62,6 +67,32 @@ _TOOL_CALL_KEYS = {"id", "type", "function"}
 _STRUCTURED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
+def _json_object_regex(depth: int) -> str:
+    """A JSON object whose values nest at most ``depth - 1`` levels below it (RFC 8259 tokens).
+
+    Counted repetitions are left out on purpose: each one multiplies the automaton's states,
+    and outlines walks the 248K-token vocabulary once per state to build the index."""
+    ws = r"[ \t\n\r]*"
+    string = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
+    number = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+    primitive = f"({string}|{number}|true|false|null)"
+
+    def obj(value: str) -> str:
+        pair = f"{string}{ws}:{ws}{value}"
+        return rf"\{{{ws}({pair}({ws},{ws}{pair})*)?{ws}\}}"
+
+    def arr(value: str) -> str:
+        return rf"\[{ws}({value}({ws},{ws}{value})*)?{ws}\]"
+
+    value = primitive
+    for _ in range(depth - 1):
+        value = f"({primitive}|{obj(value)}|{arr(value)})"
+    return obj(value)
+
+
+JSON_OBJECT_REGEX = _json_object_regex(2)
+
+
 def _thinking_asked(body: dict[str, Any]) -> bool:
     kwargs = body.get("chat_template_kwargs")
     return isinstance(kwargs, dict) and kwargs.get("enable_thinking") is True
@@ -104,6 +135,14 @@ def map_response_format(body: dict[str, Any]) -> None:
     kind = fmt.get("type")
     if kind == "text":
         body.pop("response_format")
+    elif kind == "json_object":
+        if any(body.get(name) is not None for name in _STRUCTURED_FIELDS):
+            raise CompatError(
+                "'response_format' json_object and 'guided_*' cannot be combined",
+                "response_format",
+            )
+        body.pop("response_format")
+        body["guided_regex"] = JSON_OBJECT_REGEX
     elif kind == "json_schema":
         spec = fmt.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
