@@ -108,6 +108,36 @@ def test_never_schedulable_prompt_is_a_400_and_the_server_keeps_serving(server: 
     assert httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=300).status_code == 200
 
 
+def _chat_of(server: str, tokens: int) -> list[dict[str, str]]:
+    """A user message whose rendered chat prompt is ``tokens`` tokens long (the server's own
+    /tokenize counts; " a" is one token of the tiny model's tokenizer)."""
+    import httpx
+
+    words = tokens
+    for _ in range(4):
+        messages = [{"role": "user", "content": "a" + " a" * (words - 1)}]
+        r = httpx.post(f"{server}/tokenize", json={"model": "llm", "messages": messages},
+                       timeout=120)  # fmt: skip
+        assert r.status_code == 200, r.text
+        count = r.json()["count"]
+        if count == tokens:
+            return messages
+        words += tokens - count
+    raise AssertionError(f"could not render a {tokens}-token chat prompt")
+
+
+def test_chat_never_schedulable_is_a_400_streamed_or_not(server: str) -> None:
+    import httpx
+
+    watermark = int(pf.V0_WATERMARK * BLOCKS)
+    messages = _chat_of(server, (BLOCKS - watermark) * pf.V0_BLOCK_SIZE + 1)
+    for stream in (False, True):
+        body = {"model": "llm", "messages": messages, "max_tokens": 4, "stream": stream}
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 400, r.text
+        assert "can never be scheduled" in r.json()["error"]["message"]
+
+
 def test_standin_block_count_is_the_preflights(server: str) -> None:
     """The stand-in sizes its pools as V0's worker does (``get_cache_block_size`` over the
     attention layers ``layers_block_type`` names): ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV and
