@@ -692,7 +692,8 @@ def card_prefill_fit(res: dict[str, Any], card: dict[str, Any]) -> tuple[float, 
 
 def paper_score(res: dict[str, Any], reqs: list[dict[str, Any]], card: dict[str, Any],
                 ar_ms: float, hit: bool = True, host_scale: float = 1.0,
-                link_gbps: float | None = None) -> dict[str, Any]:  # fmt: skip
+                link_gbps: float | None = None, prefill_scale: float = 1.0,
+                decode_scale: float = 1.0) -> dict[str, Any]:  # fmt: skip
     """The replay at concurrency 1 on the card, request by request:
 
     * TTFT = the fitted card prefill of its uncached tokens over its cached ones (all of the
@@ -703,7 +704,10 @@ def paper_score(res: dict[str, Any], reqs: list[dict[str, Any]], card: dict[str,
     * decode = (out - 1) steps at the card's per-token time at the mean context of the request's
       decode;
     * Output TPS = out / (TTFT + decode), the evaluator's per-request figure; the leaderboard
-      figure from the totals over the summed request times (no gaps between requests)."""
+      figure from the totals over the summed request times (no gaps between requests).
+
+    ``prefill_scale`` / ``decode_scale`` multiply the card's prefill / decode time (what-if rows
+    that say which part is short)."""
     import numpy as np
     import perf_metrics as pm
 
@@ -716,8 +720,8 @@ def paper_score(res: dict[str, Any], reqs: list[dict[str, Any]], card: dict[str,
     N = P - C
     tp4 = {**pm.CARD_TP4, "weights_GB": 0.0}
     chunk = res.get("chunk", CHUNK)
-    ttft = pm.prefill_seconds(a, b, N, C) + pm.tp4_overhead_s(N, link, chunk, tp4)
-    dec_s = np.maximum(Out - 1, 0) * (t0 + t1 * (P + Out / 2)) / 1e3
+    ttft = prefill_scale * pm.prefill_seconds(a, b, N, C) + pm.tp4_overhead_s(N, link, chunk, tp4)
+    dec_s = decode_scale * np.maximum(Out - 1, 0) * (t0 + t1 * (P + Out / 2)) / 1e3
     total = ttft + dec_s
     tps = Out / total
     wall = float(total.sum())
@@ -755,6 +759,9 @@ def cmd_paper(args: argparse.Namespace) -> int:
         ("prefill link 8 GB/s", {"link_gbps": 8.0}),
         ("prefill link 31.5 GB/s", {"link_gbps": 31.5}),
         ("no cache hits (HEAD: GDN prefix caching off)", {"hit": False}),
+        ("what if: prefill (one rank) 2x faster", {"prefill_scale": 0.5}),
+        ("what if: decode 2x faster", {"decode_scale": 0.5}),
+        ("what if: both 2x faster", {"prefill_scale": 0.5, "decode_scale": 0.5}),
     ]:
         kw = {"card": CARD, "ar_ms": CARD["allreduce_ms_per_call"]["ipc_2k"], **kw}
         r = paper_score(res, reqs, kw.pop("card"), kw.pop("ar_ms"), **kw)
