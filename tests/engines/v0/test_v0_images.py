@@ -174,3 +174,46 @@ def test_image_ids_follow_the_image_content(llm: Any) -> None:
     assert red[:3] == other[:3] == prompt[:3] and red[-2:] == other[-2:] == prompt[-2:]
     assert red[3:-2] != other[3:-2]
     assert all(UNUSED_IDS[0] <= t < UNUSED_IDS[1] for t in red[3:-2] + other[3:-2])
+
+
+_TP2_SCRIPT = r"""
+import json, os, sys
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from PIL import Image
+from vllm_overrides.engines.v0 import register
+register()  # inherited by the forked worker process
+from vllm import LLM, SamplingParams
+from tests.native_engine.hf_oracle import make_image
+cases, budget, max_new, max_pixels = json.loads(sys.argv[1])
+llm = LLM(model=sys.argv[2], dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+          enable_chunked_prefill=True, max_num_batched_tokens=budget, max_num_seqs=16,
+          max_model_len=4096, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
+          limit_mm_per_prompt={"image": 4}, mm_processor_kwargs={"max_pixels": max_pixels})
+prompts = [{"prompt_token_ids": ids,
+            "multi_modal_data": {"image": [Image.fromarray(make_image(*s)) for s in specs]}}
+           for ids, specs in cases]
+params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+outs = llm.generate(prompts, params, use_tqdm=False)
+print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+"""
+
+
+def test_tp2_images_match_hf(oracle: dict[str, Any]) -> None:
+    """Tensor parallel 2 (two CPU ranks, the card's multiprocessing executor): the step's image
+    inputs reach rank 1 in the driver's broadcast, the replicated tower gives both ranks the
+    same rows. A separate process: vLLM's parallel groups are per process."""
+    import subprocess
+    import sys
+
+    cases = [[oracle[n]["prompt"], oracle[n]["images"]] for n in NAMES]
+    args = json.dumps([cases, MAX_NUM_BATCHED_TOKENS, MAX_NEW, MAX_PIXELS])
+    env = {**os.environ, "PYTHONPATH": str(TINY_MODEL.parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-c", _TP2_SCRIPT, args, str(TINY_MODEL)],
+        capture_output=True, text=True, timeout=900, env=env, cwd=TINY_MODEL.parents[1],
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"TP 2 run failed:\n{proc.stderr[-4000:]}"
+    got = json.loads(lines[-1][len("RESULT ") :])
+    for name, tokens in zip(NAMES, got, strict=True):
+        assert tokens == oracle[name]["tokens"][:MAX_NEW], name
