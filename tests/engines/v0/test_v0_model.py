@@ -274,25 +274,34 @@ def test_n2_forks_carry_their_own_states(driver: Driver, oracle: dict[str, Any])
     assert c_out == ref_out, _first_divergence(c_out, ref_out)
 
 
-def test_prefix_caching_is_refused_for_the_gdn_model(caplog: pytest.LogCaptureFixture) -> None:
-    """Until GDN state checkpoints exist (issue 47), a prefix-cache hit would resume attention
-    with zero GDN states: the model turns prefix caching off on the engine's config."""
+def test_prefix_caching_keeps_a_checkpoint_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model keeps prefix caching and puts the GDN checkpoint registry on the engine's
+    config (engines/v0/prefix_cache.py); without a checkpoint pool (``VO_GDN_CHECKPOINTS=0``)
+    a hit would resume attention with no GDN state, so it turns prefix caching off."""
     _need_tiny_model()
     from transformers import AutoConfig
     from vllm.config import CacheConfig
 
-    from vllm_overrides.engines.v0 import register
+    from vllm_overrides.engines.v0 import prefix_cache, register
     from vllm_overrides.engines.v0.qwen3_5 import Qwen3_5MoeForConditionalGeneration
 
     register()
     from v0_model_harness import init_dist
 
     init_dist()
+    config = AutoConfig.from_pretrained(TINY_MODEL)
     cc = CacheConfig(16, 0.9, 0, "auto", enable_prefix_caching=True)
-    with caplog.at_level("WARNING"):
-        Qwen3_5MoeForConditionalGeneration(AutoConfig.from_pretrained(TINY_MODEL), cc)
+    Qwen3_5MoeForConditionalGeneration(config, cc)
+    assert cc.enable_prefix_caching is True
+    reg = prefix_cache.registry_of(cc)
+    assert reg is not None and reg.slots == prefix_cache.pool_size() and reg.block_size == 16
+    assert reg.media_token_ids == (config.image_token_id, config.video_token_id)
+
+    monkeypatch.setenv(prefix_cache.ENV_POOL, "0")
+    cc = CacheConfig(16, 0.9, 0, "auto", enable_prefix_caching=True)
+    Qwen3_5MoeForConditionalGeneration(config, cc)
     assert cc.enable_prefix_caching is False
-    assert "prefix caching" in caplog.text
+    assert prefix_cache.registry_of(cc) is None
 
 
 def test_chunked_prefill_leaves_the_one_shot_states(driver: Driver, oracle: dict[str, Any]) -> None:

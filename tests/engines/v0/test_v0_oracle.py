@@ -7,8 +7,8 @@ token-identical to Hugging Face transformers' forward pass on the same weights (
 that ``tests/native_engine/hf_oracle.py`` computes in the 0.32 venv, whose transformers knows
 ``qwen3_5_moe``; ``make`` produces it as ``build/hf_oracle.json`` before ``test-v0``).
 
-Prefix caching is asked for, as the YAML does, and must be refused by the model until GDN state
-checkpoints exist (issue 47). Chunked prefill is on with a 256-token step budget, so the 500- and 2,000-token prompts cross
+Prefix caching is on, as the YAML asks (hits resume only where a GDN state checkpoint exists;
+``test_v0_prefix_cache.py``), so ``prefix_hit`` may resume from ``len2000``'s blocks. Chunked prefill is on with a 256-token step budget, so the 500- and 2,000-token prompts cross
 chunk boundaries (GDN states carried across chunks, attention over the cached context), and all
 prompts run in one ``generate`` call, so prefill chunks and decodes share steps. ``n = 2``
 greedy samples must both equal the oracle (the fork's GDN state is a copy of the prompt's).
@@ -62,8 +62,7 @@ def llm(oracle: dict[str, Any]) -> Iterator[Any]:
         max_num_seqs=16,
         max_model_len=4096,
         seed=0,
-        # As the YAML asks; the model turns it off until GDN checkpoints exist (issue 47).
-        enable_prefix_caching=True,
+        enable_prefix_caching=True,  # as the YAML asks
     )
     yield engine
     del engine
@@ -100,10 +99,10 @@ def test_engine_runs_the_card_path(llm: Any) -> None:
     assert type(model).__name__ == "Qwen3_5MoeForConditionalGeneration"
     n_attn = sum(1 for layer in model.model.layers if layer.layer_type == "full_attention")
     assert len(worker.cache_engine[0].gpu_cache) == n_attn
-    # Prefix caching was asked for and refused: a hit would resume attention from cached
-    # blocks with no GDN state for them (prefix_hit shares len2000's first 1,000 tokens).
-    assert not engine.cache_config.enable_prefix_caching
-    assert not engine.scheduler[0].block_manager.enable_caching
+    # Prefix caching as the YAML asks, with GDN state checkpoints (test_v0_prefix_cache.py):
+    # a hit resumes only where both the KV blocks and a GDN state exist.
+    assert engine.cache_config.enable_prefix_caching
+    assert engine.scheduler[0].block_manager.enable_caching
 
 
 def test_greedy_matches_hf_with_chunked_prefill(llm: Any, oracle: dict[str, Any]) -> None:

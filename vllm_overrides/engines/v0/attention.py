@@ -35,6 +35,8 @@ from vllm.attention.backends.utils import CommonAttentionState, CommonMetadataBu
 from vllm_overrides.native import kernels
 from vllm_overrides.native import paged_attention as pa
 
+from . import prefix_cache
+
 logger = logging.getLogger("vllm.vllm_overrides.attention")  # under vLLM's handlers
 
 BACKEND_NAME = "VO_PAGED"
@@ -120,6 +122,9 @@ class VOPagedMetadata(AttentionMetadata):
     # builder and broadcast to the other ranks with the rest, so no layer syncs to read them.
     context_lens: list[int] | None = None
     query_lens: list[int] | None = None
+    # Hybrid prefix caching: one row per prefill chunk, [load slot, (offset, save slot) x 2]
+    # (engines/v0/prefix_cache.py); None when the step loads and saves no GDN checkpoint.
+    gdn_plan: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         # Plain attributes, not dataclass fields: they must not travel in the broadcast dict.
@@ -228,6 +233,9 @@ class VOPagedMetadataBuilder(CommonMetadataBuilder[VOPagedMetadata]):
         # self.context_lens is filled by super().build(), one entry per sequence, batch order.
         meta.context_lens = list(self.context_lens)
         meta.query_lens = list(query_lens)
+        meta.gdn_plan = prefix_cache.step_plan(
+            self.runner.cache_config, self.input_builder.inter_data_list
+        )
         return meta
 
 

@@ -16,12 +16,19 @@ at position 0 (a new prompt, or one recomputed after preemption) must ignore it
 (``has_initial_state`` False); a later chunk or a decode step continues from it. Slots are
 addressed in place by index (``index_select`` / ``index_copy_`` in the ops), so nothing is
 swapped or compacted between steps.
+
+With hybrid prefix caching (:mod:`.prefix_cache`) the cache also holds a fixed pool of
+*checkpoints*: states saved at KV block boundaries. A prefill that resumes from a prefix hit
+gets its checkpoint copied into its slot before the forward (:meth:`GDNStateCache.load`); a
+GDN layer writes the states at the planned boundaries of its chunks into the pool
+(:func:`chunk_rule_with_cuts` runs the chunked rule in segments that end there, and
+:func:`conv_window` takes the conv state from the chunk's inputs).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -38,6 +45,7 @@ class GDNStateCache:
         conv_dtype, ssm_dtype: storage dtypes (the recurrent state stays float32).
         device: where the states live.
         max_seqs: slots to start with (grown by doubling when more sequences run at once).
+        checkpoints: size of the checkpoint pool (0: none).
     """
 
     def __init__(
@@ -49,6 +57,7 @@ class GDNStateCache:
         ssm_dtype: torch.dtype,
         device: torch.device | str,
         max_seqs: int,
+        checkpoints: int = 0,
     ) -> None:
         self.num_layers = num_layers
         self.conv_shape = tuple(conv_shape)
@@ -62,6 +71,15 @@ class GDNStateCache:
         self.ssm = [
             torch.zeros((n, *self.ssm_shape), dtype=ssm_dtype, device=self.device)
             for _ in range(num_layers)
+        ]
+        # Checkpoint pool, same layout; its slot numbers are the scheduler's (prefix_cache).
+        self.ck_conv = [
+            torch.zeros((checkpoints, *self.conv_shape), dtype=conv_dtype, device=self.device)
+            for _ in range(num_layers if checkpoints else 0)
+        ]
+        self.ck_ssm = [
+            torch.zeros((checkpoints, *self.ssm_shape), dtype=ssm_dtype, device=self.device)
+            for _ in range(num_layers if checkpoints else 0)
         ]
         self._free: list[int] = list(range(n - 1, 0, -1))  # pop() hands out low slots first
         # request id -> {seq id -> slot}
@@ -81,6 +99,22 @@ class GDNStateCache:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(conv [slots, D, W-1], ssm [slots, HV, V, K])`` of GDN layer ``i``."""
         return self.conv[i], self.ssm[i]
+
+    def checkpoints(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(conv [pool, D, W-1], ssm [pool, HV, V, K])`` of GDN layer ``i``'s checkpoint pool,
+        or None without one."""
+        if not self.ck_conv:
+            return None
+        return self.ck_conv[i], self.ck_ssm[i]
+
+    def load(self, pool: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy checkpoints ``pool[j]`` into state slots ``slots[j]`` for every layer."""
+        if pool.numel() == 0:
+            return
+        for dst, src in zip(self.conv, self.ck_conv, strict=True):
+            dst.index_copy_(0, slots, src.index_select(0, pool))
+        for dst, src in zip(self.ssm, self.ck_ssm, strict=True):
+            dst.index_copy_(0, slots, src.index_select(0, pool))
 
     def release(self, finished_requests_ids: Iterable[str]) -> None:
         """Free every slot of the finished requests."""
@@ -135,3 +169,87 @@ class GDNStateCache:
                     known[sid] = slot
                 order.append(slot)
         return torch.tensor(order, dtype=torch.long, device=self.device)
+
+
+# --------------------------------------------------------------------------------------------
+# States at intermediate positions of a prefill chunk (checkpoint saves)
+# --------------------------------------------------------------------------------------------
+
+
+def _ranges(bounds: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    parts = [torch.arange(s, e, device=device) for s, e in bounds]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+
+
+def _cu(bounds: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    lens = torch.tensor([0] + [e - s for s, e in bounds], dtype=torch.long)
+    return torch.cumsum(lens, 0).to(device=device, dtype=torch.int32)
+
+
+def chunk_rule_with_cuts(
+    rule: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    h0: torch.Tensor,
+    qsl: Sequence[int],
+    cuts: Sequence[Sequence[int]],
+) -> tuple[torch.Tensor, torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
+    """The chunked delta rule over packed prefill rows, stopping at each row's ``cuts``.
+
+    ``q, k, v, g, beta``: token-major ``[T, ...]``; ``h0``: ``[N, ...]`` initial states;
+    ``qsl``: host ``[N + 1]`` row offsets; ``cuts[r]``: sorted offsets into row ``r``'s query
+    (``0 < cut <= len``) where its recurrent state is wanted. Each row runs as consecutive
+    segments ending at its cuts, one call of ``rule`` per segment index over all rows that have
+    it (the same math chained; outputs agree with one call to rounding). Returns
+    ``(o [1, T, ...], final [N, ...], {(row, cut): state})``.
+    """
+    dev = q.device
+    points = []
+    for r in range(len(qsl) - 1):
+        n = qsl[r + 1] - qsl[r]
+        inner = sorted({c for c in cuts[r] if 0 < c < n})
+        points.append([0, *inner, n])
+    state = h0.clone()
+    o: torch.Tensor | None = None
+    at_cut: dict[tuple[int, int], torch.Tensor] = {}
+    for j in range(max(len(p) for p in points) - 1):
+        rows = [r for r, p in enumerate(points) if len(p) - 1 > j]
+        bounds = [(qsl[r] + points[r][j], qsl[r] + points[r][j + 1]) for r in rows]
+        ids = _ranges(bounds, dev)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        o_j, fin = rule(
+            q.index_select(0, ids).unsqueeze(0),
+            k.index_select(0, ids).unsqueeze(0),
+            v.index_select(0, ids).unsqueeze(0),
+            g.index_select(0, ids).unsqueeze(0),
+            beta.index_select(0, ids).unsqueeze(0),
+            initial_state=state.index_select(0, rows_t),
+            output_final_state=True,
+            cu_seqlens=_cu(bounds, dev),
+            use_qk_l2norm_in_kernel=False,
+        )
+        assert fin is not None
+        if o is None:
+            o = o_j.new_empty((1, q.shape[0], *o_j.shape[2:]))
+        o[0, ids] = o_j[0]
+        state.index_copy_(0, rows_t, fin.to(state.dtype))
+        for i, r in enumerate(rows):
+            at_cut[(r, points[r][j + 1])] = fin[i]
+    assert o is not None
+    return o, state, at_cut
+
+
+def conv_window(raw_x: torch.Tensor, init_conv: torch.Tensor, start: int, cut: int) -> torch.Tensor:
+    """The conv state ``[D, W-1]`` after ``cut`` tokens of a row whose conv inputs start at
+    ``raw_x[start]`` and whose state before the row was ``init_conv [D, W-1]`` (zeros when the
+    row starts a sequence): the last ``W-1`` inputs, oldest first."""
+    width = init_conv.shape[-1]
+    if cut >= width:
+        win = raw_x[start + cut - width : start + cut]
+    else:
+        before = init_conv.transpose(0, 1)[cut:].to(raw_x.dtype)
+        win = torch.cat([before, raw_x[start : start + cut]])
+    return win.transpose(0, 1)

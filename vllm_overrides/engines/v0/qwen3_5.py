@@ -24,7 +24,10 @@ Layers (``text_config.layer_types``):
 Batch layout (V0): the step's prefill chunks first (one contiguous run of tokens each), then
 one token per decoding sequence; ``request_ids_to_seq_ids`` lists the sequences in that order.
 A prefill chunk whose context length is 0 starts from zero states; a later chunk of the same
-prompt continues from its slot, so a chunked prefill gives the one-shot result.
+prompt continues from its slot, so a chunked prefill gives the one-shot result. With prefix
+caching a prompt may start at a cached block boundary: its slot then gets the GDN checkpoint
+saved there first (:mod:`.prefix_cache` plans loads and saves; the plan rides in the attention
+metadata, so every TP rank applies the same one).
 
 Tensor parallel: attention heads, GDN key/value heads and expert/shared intermediate sizes are
 split over ranks by vLLM's column/row parallel layers (KV heads replicated where TP exceeds
@@ -70,7 +73,8 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_overrides.native import kernels
 
-from .gdn_state import GDNStateCache
+from . import prefix_cache
+from .gdn_state import GDNStateCache, chunk_rule_with_cuts, conv_window
 from .qwen3_5_mm import (
     MM_KEYS,
     dummy_data,
@@ -108,6 +112,9 @@ class GDNBatch:
         prefill_qsl: ``[num_prefills + 1]`` cumulative token offsets of the chunks.
         prefill_has_init: ``[num_prefills]`` whether a chunk continues a prompt (context > 0).
         prefill_slots, decode_slots: state slots in batch order.
+        cuts: per prefill chunk, ``(offset into its query, checkpoint pool slot)`` where its
+            GDN states are saved (hybrid prefix caching); None when no chunk saves any.
+        prefill_qsl_host: ``prefill_qsl`` as Python ints (only with ``cuts``).
     """
 
     num_prefills: int
@@ -117,6 +124,8 @@ class GDNBatch:
     prefill_has_init: torch.Tensor
     prefill_slots: torch.Tensor
     decode_slots: torch.Tensor
+    cuts: list[list[tuple[int, int]]] | None = None
+    prefill_qsl_host: list[int] | None = None
 
 
 def _prefill_layout(
@@ -255,6 +264,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         batch: GDNBatch,
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
+        checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         T = x.shape[0]
         HV, V = self.HV, self.V
@@ -264,6 +274,13 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         core = torch.empty(T, HV, V, dtype=x.dtype, device=x.device)
         Pt = batch.num_prefill_tokens
         if batch.num_prefills > 0:
+            saving = batch.cuts is not None and checkpoints is not None
+            if saving:
+                # The conv history before each chunk (read before the prep overwrites it): a
+                # checkpoint less than W-1 tokens into a chunk takes part of its window there.
+                init_conv = conv_state.index_select(0, batch.prefill_slots)
+                keep = batch.prefill_has_init.view(-1, 1, 1)
+                init_conv = torch.where(keep, init_conv, torch.zeros_like(init_conv))
             q, k, v, g, beta = kernels.gdn_conv_prep(
                 mixed[:Pt], self.conv1d.weight, None, conv_state, batch.prefill_qsl,
                 batch.prefill_slots, batch.prefill_has_init, "silu", a[:Pt], b[:Pt],
@@ -271,11 +288,19 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             )  # fmt: skip
             h0 = ssm_state.index_select(0, batch.prefill_slots)
             h0 = torch.where(batch.prefill_has_init.view(-1, 1, 1, 1), h0, torch.zeros_like(h0))
-            o, final = kernels.chunk_gated_delta_rule(
-                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
-                beta.unsqueeze(0), initial_state=h0, output_final_state=True,
-                cu_seqlens=batch.prefill_qsl, use_qk_l2norm_in_kernel=False,
-            )  # fmt: skip
+            if saving:
+                assert batch.cuts is not None and checkpoints is not None
+                assert batch.prefill_qsl_host is not None
+                o, final = self._prefill_with_checkpoints(
+                    q, k, v, g, beta, h0, mixed[:Pt], init_conv, batch.prefill_qsl_host,
+                    batch.cuts, checkpoints,
+                )  # fmt: skip
+            else:
+                o, final = kernels.chunk_gated_delta_rule(
+                    q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
+                    beta.unsqueeze(0), initial_state=h0, output_final_state=True,
+                    cu_seqlens=batch.prefill_qsl, use_qk_l2norm_in_kernel=False,
+                )  # fmt: skip
             assert final is not None
             ssm_state.index_copy_(0, batch.prefill_slots, final.to(ssm_state.dtype))
             core[:Pt] = kernels.rms_norm_gated(o[0].to(x.dtype), z[:Pt], self.norm.weight, self.eps)
@@ -289,6 +314,33 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             )  # fmt: skip
         out, _ = self.out_proj(core.reshape(T, HV * V))
         return out
+
+    @staticmethod
+    def _prefill_with_checkpoints(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        h0: torch.Tensor,
+        raw_x: torch.Tensor,
+        init_conv: torch.Tensor,
+        qsl: list[int],
+        cuts: list[list[tuple[int, int]]],
+        checkpoints: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill rule in segments ending at the planned cuts; writes the conv and
+        recurrent states there into the checkpoint pool."""
+        ck_conv, ck_ssm = checkpoints
+        o, final, at_cut = chunk_rule_with_cuts(
+            kernels.chunk_gated_delta_rule, q, k, v, g, beta, h0, qsl,
+            [[off for off, _ in row] for row in cuts],
+        )  # fmt: skip
+        for r, row in enumerate(cuts):
+            for off, slot in row:
+                ck_ssm[slot].copy_(at_cut[(r, off)].to(ck_ssm.dtype))
+                ck_conv[slot].copy_(conv_window(raw_x, init_conv[r], qsl[r], off))
+        return o, final
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,7 +587,7 @@ class Qwen3_5TextModel(nn.Module):
                 x, residual = layer.input_layernorm(x, residual)
             if layer.layer_type == "linear_attention":
                 conv, ssm = states.layer(n_gdn)
-                x = layer.linear_attn(x, batch, conv, ssm)
+                x = layer.linear_attn(x, batch, conv, ssm, states.checkpoints(n_gdn))
                 n_gdn += 1
             else:
                 # V0 allocates KV only for the attention layers (layers_block_type), in order.
@@ -566,16 +618,12 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState, SupportsMulti
     ) -> None:
         super().__init__()
         self.multimodal_config = multimodal_config
-        if cache_config is not None and cache_config.enable_prefix_caching:
-            # V0 would resume attention from cached blocks while the GDN states of that prefix
-            # do not exist (wrong output): until GDN state checkpoints land (issue 47), prefix
-            # caching is turned off on the engine's shared CacheConfig (the scheduler is built
-            # after the model; at TP > 1 the driver worker's config is the engine's).
-            logger.warning(
-                "Qwen3.5/3.6 on V0: prefix caching is not supported for the GDN layers yet "
-                "(issue 47); disabling it."
-            )
-            cache_config.enable_prefix_caching = False
+        # Hybrid prefix caching: a hit resumes only where a GDN state checkpoint exists. The
+        # registry goes onto the engine's CacheConfig, which the scheduler (built after the
+        # model) and the driver worker share; every rank allocates the same pool.
+        self._checkpoints = prefix_cache.attach(
+            cache_config, getattr(config, "_name_or_path", None) or None, config
+        )
         self.config = config
         text = _text_config(config)
         self.text_config = text
@@ -612,6 +660,7 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState, SupportsMulti
                 ssm_dtype=torch.float32,
                 device=device,
                 max_seqs=max_seqs,
+                checkpoints=self._checkpoints,
             )
         return self.states
 
@@ -637,7 +686,7 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState, SupportsMulti
                 f"batch has {P} prefills + {D} decode tokens but {slots.numel()} sequences"
             )
         qsl, ctx = _prefill_layout(attn_metadata, device)
-        return GDNBatch(
+        batch = GDNBatch(
             num_prefills=P,
             num_prefill_tokens=attn_metadata.num_prefill_tokens,
             num_decodes=D,
@@ -646,6 +695,34 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState, SupportsMulti
             prefill_slots=slots[:P],
             decode_slots=slots[P:],
         )
+        plan = getattr(attn_metadata, "gdn_plan", None)
+        if plan:
+            self._apply_plan(plan, batch, states)
+        return batch
+
+    @staticmethod
+    def _apply_plan(plan: list[list[int]], batch: GDNBatch, states: GDNStateCache) -> None:
+        """The step's checkpoint plan (:mod:`.prefix_cache`, one row per prefill chunk): load
+        the resumed chunks' checkpoints into their slots now, and note where to save."""
+        if len(plan) != batch.num_prefills:
+            raise RuntimeError(
+                f"GDN checkpoint plan has {len(plan)} rows for {batch.num_prefills} prefills"
+            )
+        if not states.ck_conv:
+            raise RuntimeError("GDN checkpoint plan for a model without a checkpoint pool")
+        loads = [(row[0], i) for i, row in enumerate(plan) if row[0] >= 0]
+        if loads:
+            dev = batch.prefill_slots.device
+            pool = torch.tensor([p for p, _ in loads], dtype=torch.long, device=dev)
+            rows = torch.tensor([i for _, i in loads], dtype=torch.long, device=dev)
+            states.load(pool, batch.prefill_slots.index_select(0, rows))
+        cuts = [
+            [(row[j], row[j + 1]) for j in range(1, len(row) - 1, 2) if row[j] > 0]
+            for row in plan
+        ]
+        if any(cuts):
+            batch.cuts = cuts
+            batch.prefill_qsl_host = [int(x) for x in batch.prefill_qsl.tolist()]
 
     def copy_inputs_before_cuda_graphs(self, input_buffers: Any, **kwargs: Any) -> None:
         raise NotImplementedError("Qwen3.5/3.6 on V0 runs eager (enforce_eager=True)")
@@ -689,7 +766,6 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState, SupportsMulti
             embeds = self.visual(pixel_values, grid.tolist())
             x[index.to(x.device)] = embeds[rows.to(x.device)].to(x.dtype)
         return x
-
 
     def compute_logits(
         self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata
