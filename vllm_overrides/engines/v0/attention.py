@@ -328,7 +328,7 @@ class VOPagedImpl(AttentionImpl[VOPagedMetadata]):
             if key_cache is None or value_cache is None:
                 raise RuntimeError(f"{BACKEND_NAME}: decode tokens but no KV cache")
             assert decode.block_tables is not None and decode.seq_lens_tensor is not None
-            out[num_prefill:] = kernels.paged_decode_attention(
+            dec = kernels.paged_decode_attention(
                 q[num_prefill:],
                 key_cache,
                 value_cache,
@@ -337,6 +337,9 @@ class VOPagedImpl(AttentionImpl[VOPagedMetadata]):
                 self.scale,
                 max_seq_len=decode.max_decode_seq_len or None,
             )
+            if num_prefill == 0:  # a decode-only step: the op's output is the layer's, no copy
+                return dec.view(-1, self.num_heads * self.head_size)
+            out[num_prefill:] = dec
         return out.view(-1, self.num_heads * self.head_size)
 
 
