@@ -645,10 +645,14 @@ V0_ALLOCATOR_SLACK = 0.20
 V0_MARGIN = 0.10
 # GDN state checkpoints (issue 47): a pool of ``VO_GDN_CHECKPOINTS`` (the YAML's env) slots,
 # each one sequence's conv + recurrent states of every GDN layer of the rank; when the env does
-# not set it, the engine's default (engines/v0/prefix_cache.py DEFAULT_POOL; a test keeps the
-# two equal).
-V0_GDN_CHECKPOINTS_ENV = "VO_GDN_CHECKPOINTS"
-V0_GDN_CHECKPOINTS = 32
+# not set it, the engine's default. Read from the engine's module (stdlib only, no vLLM), so
+# the two cannot drift; the literals are for a checkout without it.
+try:
+    from vllm_overrides.engines.v0.prefix_cache import DEFAULT_POOL as V0_GDN_CHECKPOINTS
+    from vllm_overrides.engines.v0.prefix_cache import ENV_POOL as V0_GDN_CHECKPOINTS_ENV
+except ImportError:
+    V0_GDN_CHECKPOINTS_ENV = "VO_GDN_CHECKPOINTS"
+    V0_GDN_CHECKPOINTS = 32
 # Transient bytes of one forward over T tokens, per rank at TP4 in fp16: a + b*T for each op
 # family's PyTorch path (the path the card takes when our kernels do not load; the fused ones
 # allocate less), measured as max_memory_allocated above the inputs by

@@ -86,10 +86,23 @@ def test_budget_terms_move_the_pool(facts: pf.ModelFacts) -> None:
     assert no_ipc.kv_bytes - base.kv_bytes == pf.IPC_REGION_BYTES
 
 
-def test_checkpoint_pool_default_is_the_engines(facts: pf.ModelFacts) -> None:
+def test_checkpoint_pool_is_the_engines_and_the_yamls(tmp_path: Path) -> None:
+    """The pool size the budget charges: the YAML's VO_GDN_CHECKPOINTS, else the engine's
+    default; each checkpoint is the engine's own per-checkpoint size."""
     prefix_cache = pytest.importorskip("vllm_overrides.engines.v0.prefix_cache")
     assert pf.V0_GDN_CHECKPOINTS == prefix_cache.DEFAULT_POOL
     assert pf.V0_GDN_CHECKPOINTS_ENV == prefix_cache.ENV_POOL
+    facts = pf.ModelFacts.load(pf.DEFAULT_MODEL_CONFIG)
+    assert pf.gdn_state_bytes(facts, 4) == prefix_cache.checkpoint_bytes(
+        30, 2048, 4, 8, 128, 128, 2
+    )
+    text = PLATFORM_CONFIG.read_text(encoding="utf-8")
+    text = text.replace("env:\n", f"env:\n  - name: {pf.V0_GDN_CHECKPOINTS_ENV}\n    value: '77'\n")
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text(text, encoding="utf-8")
+    args = pf.parse_args(["--config", str(yaml_path), "--patches", "skip", "--engine", "0.6.3"])
+    _, data = pf.run_preflight(args)
+    assert data["v0_memory"]["gdn_checkpoints"] == 77
 
 
 def test_block_bytes_are_vllm_063s(facts: pf.ModelFacts, tmp_path: Path) -> None:
