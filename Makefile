@@ -9,7 +9,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: setup serve serve-v1 test lint deploy model clean-venv preflight image-test fuzz load replay cache-sim \
-	kernel-resources setup-v0 deploy-v0 test-v0
+	kernel-resources setup-v0 deploy-v0 test-v0 truncation-v0
 
 # The platform line's stand-in (Python 3.10, torch 2.1.2, vLLM 0.6.3's Python layer):
 # scripts/standin_v0/build_env.sh, rebuilt only when that folder changes.
@@ -74,6 +74,12 @@ $(ORACLE): tests/native_engine/hf_oracle.py $(MODEL)/config.json
 # The platform line's tests, on the stand-in.
 test-v0: deploy-v0 model $(ORACLE)
 	$(PY_V0) -m pytest tests/engines/v0 $(PYTEST_ARGS)
+
+# The platform's case_truncation on the platform line: exactly 8,192 tokens on chat and
+# completions, against a stand-in server the test session starts from computility-run.yaml
+# (several minutes of CPU decode per endpoint; CI's admission run covers the chat case).
+truncation-v0: deploy-v0 model
+	ADMISSION_TRUNCATION_BOTH=1 $(PY_V0) -m pytest tests/admission/test_lengths.py -k truncation -s $(PYTEST_ARGS)
 
 # Submission preflight: computility-run.yaml, the patch manifest, and the KV-capacity estimate.
 preflight: deploy
