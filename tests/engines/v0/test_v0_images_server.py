@@ -156,3 +156,17 @@ def test_unusable_image_is_a_400_and_the_engine_lives(server: str) -> None:
     assert r.status_code == 400, r.text
     assert "aspect ratio" in _error_message(r)
     _healthy(server)
+
+
+def test_audio_is_a_4xx(server: str) -> None:
+    """The model takes images only: an audio part is the client's error, not a 500."""
+    import httpx
+
+    content = [
+        {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,UklGRiQAAABXQVZF"}},
+        {"type": "text", "text": "hi"},
+    ]
+    body = {"model": "llm", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=300)
+    assert 400 <= r.status_code < 500, r.text
+    _healthy(server)
