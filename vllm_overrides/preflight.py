@@ -665,8 +665,16 @@ V0_ACTIVATION = {
     # chunked gated delta rule (PyTorch path, 16 sequences)
     "gdn_chunk": (53_131_264, 36_342),
     # prefill attention: one chunk over a 65,536-token cached context (tiles bounded)
-    "attention": (203_253_760, 12_365),
+    "attention": (203_661_312, 12_320),
+    # the vision tower (replicated, not sharded) on the image V0's profile puts into a step of
+    # T tokens (engines/v0/qwen3_5_mm.dummy_data: isqrt(T - 2) merged tokens a side); its
+    # attention's score budget is the intercept
+    "vision": (934_181_034, 86_806),
 }
+# The checkpoint's largest image: 16,777,216 pixels = 16,384 tokens (engines/v0/qwen3_5_mm.py).
+# An image larger than a step is encoded whole, above what the profile measured: that excess
+# comes out of the memory outside gpu_memory_utilization.
+V0_MAX_IMAGE_TOKENS = 16_384
 # V0's Sampler on the profile's sampled rows (top-k + top-p, float32): the logits, their
 # softmax and log-softmax, the sorted values + int64 indices, the cumulative sum and the mask
 # scattered back: ~36 bytes per vocabulary entry and row (assumed from the op sequence).
@@ -693,6 +701,14 @@ def gdn_state_bytes(facts: ModelFacts, tp: int, dtype_bytes: int = 2) -> int:
     return facts.gdn_layers * (conv + ssm)
 
 
+def v0_weights_estimate_gib(facts: ModelFacts, tp: int, dtype_bytes: int = 2) -> float:
+    """Weights per rank on the V0 line: the language model sharded as on 0.32.0, the vision
+    tower replicated (engines/v0/qwen3_5_vision.py uses plain ``nn.Linear``)."""
+    parts = weight_params_per_rank(facts, tp)
+    parts["vision"] = weight_params_per_rank(facts, 1)["vision"]
+    return sum(parts.values()) * dtype_bytes / GIB
+
+
 def v0_block_bytes(facts: ModelFacts, tp: int, dtype_bytes: int = 2) -> int:
     """``CacheEngine.get_cache_block_size``: K and V of one 16-token block in every *attention*
     layer (``layers_block_type`` names them: 10 of 40), kv heads replicated up to one a rank."""
@@ -701,18 +717,25 @@ def v0_block_bytes(facts: ModelFacts, tp: int, dtype_bytes: int = 2) -> int:
 
 
 def v0_activation_bytes(
-    facts: ModelFacts, tokens: int, sampled_rows: int, dtype_bytes: int = 2
-) -> dict[str, int]:
+    facts: ModelFacts, tokens: int, sampled_rows: int, dtype_bytes: int = 2, images: bool = True
+) -> dict[str, Any]:
     """The profiling forward's transient peak, by part (V0's ``profile_run``: one forward of
     ``max_num_batched_tokens`` tokens over ``max_num_seqs`` sequences, then one sampler run)."""
     per_family = {k: a + b * tokens for k, (a, b) in V0_ACTIVATION.items()}
+    if not images:
+        per_family.pop("vision")
     # hidden states, residual, the normed input and the all-reduced output between layers
     stream = 4 * tokens * facts.hidden_size * dtype_bytes
-    forward = max(per_family.values()) + stream
+    largest = max(per_family, key=per_family.__getitem__)
+    forward = per_family[largest] + stream
     sampler = sampled_rows * facts.vocab_size * (V0_SAMPLER_BYTES_PER_VOCAB_ROW + dtype_bytes)
     peak = max(forward, sampler)
+    a, b = V0_ACTIVATION["vision"]
+    image_excess = max(0, a + b * V0_MAX_IMAGE_TOKENS - per_family.get("vision", 0))
     return {
         **{f"{k}_workspace": v for k, v in per_family.items()},
+        "largest_family": largest,  # type: ignore[dict-item]
+        "largest_image_excess": image_excess if images else 0,
         "residual_stream": stream,
         "forward": forward,
         "sampler": sampler,
@@ -770,21 +793,23 @@ def v0_memory_plan(
     dtype_bytes: int = 2,
     weights_gib: float | None = None,
     card_bytes: int = CARD_BYTES,
+    images: bool = True,
 ) -> V0Plan:
     budget = int(card_bytes * gpu_memory_utilization)
-    weights = int((V0_WEIGHTS_GIB if weights_gib is None else weights_gib) * GIB)
+    estimate = v0_weights_estimate_gib(facts, tp, dtype_bytes)
+    weights = int((max(V0_WEIGHTS_GIB, estimate) if weights_gib is None else weights_gib) * GIB)
     state = gdn_state_bytes(facts, tp, dtype_bytes)
     # GDNStateCache: max_num_seqs slots + the reserved slot 0, made in the profiling forward.
     slots = (max_num_seqs + 1) * state
     ckpts = gdn_checkpoints * state
-    act = v0_activation_bytes(facts, max_num_batched_tokens, max_num_seqs, dtype_bytes)
+    act = v0_activation_bytes(facts, max_num_batched_tokens, max_num_seqs, dtype_bytes, images)
     ipc_bytes = IPC_REGION_BYTES if ipc else 0
     rows: list[dict[str, Any]] = [
         {"item": "card x gpu_memory_utilization", "bytes": budget,
          "note": f"{card_bytes:,} B x {gpu_memory_utilization:g}"},
         {"item": "weights", "bytes": -weights,
-         "note": f"PLATFORM.md upper figure; config estimate "
-                 f"{weights_estimate_gib(facts, tp, dtype_bytes):.2f} GiB"},
+         "note": f"the larger of PLATFORM.md's {V0_WEIGHTS_GIB} and the config estimate "
+                 f"{estimate:.2f} GiB (vision tower replicated)"},
         {"item": "IPC all-reduce region", "bytes": -ipc_bytes,
          "note": "ENABLE_CUSTOM_IPC=1" if ipc else "off"},
         {"item": "runtime (communicators, BLAS)", "bytes": -V0_RUNTIME_BYTES,
@@ -793,15 +818,13 @@ def v0_memory_plan(
          "note": f"({max_num_seqs} + 1) x {state / MIB:.2f} MiB"},
         {"item": "GDN checkpoints", "bytes": -ckpts,
          "note": f"{gdn_checkpoints} x {state / MIB:.2f} MiB"},
-        {"item": "activation: MoE workspace", "bytes": -act["moe_workspace"],
-         "note": f"{max_num_batched_tokens:,} tokens (largest family: sets the peak)"
-                 if act["forward"] - act["residual_stream"] == act["moe_workspace"] else
-                 f"{max_num_batched_tokens:,} tokens (not the peak)"},
-        {"item": "  (GDN chunk workspace)", "bytes": 0,
-         "note": f"{act['gdn_chunk_workspace'] / MIB:.1f} MiB, under the MoE's"},
-        {"item": "  (attention workspace)", "bytes": 0,
-         "note": f"{act['attention_workspace'] / MIB:.1f} MiB (65K-token context), "
-                 "under the MoE's"},
+        {"item": f"activation: {act['largest_family']} workspace",
+         "bytes": -act[f"{act['largest_family']}_workspace"],
+         "note": f"step of {max_num_batched_tokens:,} tokens: the largest family sets the peak "
+                 "(measured, worklogs/v0_activation_probe.py)"},
+        *[{"item": f"  ({k} workspace)", "bytes": 0,
+           "note": f"{act[f'{k}_workspace'] / MIB:.1f} MiB, under the peak"}
+          for k in V0_ACTIVATION if k != act["largest_family"] and f"{k}_workspace" in act],
         {"item": "activation: sampler", "bytes": -max(0, act["sampler"] - act["forward"]),
          "note": f"{act['sampler'] / MIB:.1f} MiB for {max_num_seqs} sampled rows of "
                  f"{facts.vocab_size:,} logits, after the forward's transients are freed"},
@@ -818,7 +841,9 @@ def v0_memory_plan(
     needed = cdiv(max_model_len, V0_BLOCK_SIZE)
     watermark = int(V0_WATERMARK * blocks)
     required = needed + watermark
-    headroom = card_bytes - budget - CARD_IDLE_BYTES
+    # Outside the utilisation: the card's idle use, and the largest image's tower run above
+    # the profiled step (the CUDA context must fit in what is left).
+    headroom = card_bytes - budget - CARD_IDLE_BYTES - int(act["largest_image_excess"])
     return V0Plan(
         tp=tp,
         card_bytes=card_bytes,
@@ -837,7 +862,7 @@ def v0_memory_plan(
         capacity_tokens=blocks * V0_BLOCK_SIZE,
         margin_ratio=blocks / required - 1 if required else 0.0,
         headroom_bytes=headroom,
-        weights_estimate_gib=weights_estimate_gib(facts, tp, dtype_bytes),
+        weights_estimate_gib=estimate,
     )
 
 
@@ -853,9 +878,10 @@ def format_v0_budget(plan: V0Plan) -> str:
         f"a {plan.max_model_len:,}-token prompt needs {plan.needed_blocks:,} + watermark "
         f"{plan.watermark_blocks:,} (1 %) = {plan.needed_blocks + plan.watermark_blocks:,} "
         f"blocks (margin {plan.margin_ratio:+.1%})",
-        f"outside gpu_memory_utilization: {plan.headroom_bytes / GIB:.2f} GiB after the card's "
-        f"{CARD_IDLE_BYTES // MIB} MiB idle use (CUDA context, anything allocated after the "
-        "profile)",
+        f"outside gpu_memory_utilization: {plan.headroom_bytes / GIB:.2f} GiB left after the "
+        f"card's {CARD_IDLE_BYTES // MIB} MiB idle use and the largest image's tower run above "
+        f"the profiled step ({V0_MAX_IMAGE_TOKENS:,} tokens; for the CUDA context and anything "
+        "else allocated after the profile)",
     ]
     return "\n".join(lines)
 

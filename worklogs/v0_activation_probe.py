@@ -13,7 +13,10 @@ on a chunk of ``--tokens`` tokens split into ``--seqs`` sequences (V0's ``profil
   ``_grouped_mm``) + gather combine + shared expert (``vllm_overrides.native.moe``);
 * ``gdn_chunk``: the chunked gated delta rule, PyTorch path (``native.gdn``);
 * ``attention_profile``: prefill attention of the profile's sequences (no cache);
-* ``attention_long``: one chunk of ``--tokens`` new tokens over a 65,536-token cached context.
+* ``attention_long``: one chunk of ``--tokens`` new tokens over a 65,536-token cached context;
+* ``vision``: the vision tower (``engines/v0/qwen3_5_vision.py``, replicated on every rank, not
+  sharded) on the square image V0's profile puts into a ``--tokens`` step (``dummy_data``:
+  ``isqrt(tokens - 2)`` merged tokens a side).
 
 Needs a CUDA device (the allocator's counters); the card's allocator is PyTorch's too.
 """
@@ -48,6 +51,26 @@ def peak(fn: Callable[[], object]) -> int:
     used = torch.cuda.max_memory_allocated() - base
     del out
     return int(used)
+
+
+def vision(tokens: int, dev: torch.device, dt: torch.dtype) -> tuple[int, int]:
+    """Peak of the vision tower's forward (Qwen3.6's tower sizes) on the profile's image."""
+    import math
+    from types import SimpleNamespace
+
+    from vllm_overrides.engines.v0.qwen3_5_vision import Qwen3_5VisionTransformer
+
+    vc = SimpleNamespace(hidden_size=1152, num_heads=16, spatial_merge_size=2, in_channels=3,
+                         temporal_patch_size=2, patch_size=16, num_position_embeddings=2304,
+                         depth=27, intermediate_size=4304, out_hidden_size=2048,
+                         rope_parameters=None)  # fmt: skip
+    tower = Qwen3_5VisionTransformer(vc).to(device=dev, dtype=dt).eval()
+    side = math.isqrt(tokens - 2)  # merged tokens a side
+    h = w = 2 * side
+    pixels = torch.randn(h * w, 3 * 2 * 16 * 16, device=dev, dtype=dt)
+    with torch.inference_mode():
+        used = peak(lambda: tower(pixels, [(1, h, w)]))
+    return used, side * side
 
 
 def main() -> int:
@@ -109,9 +132,10 @@ def main() -> int:
         return pa.prefill_attention(aq, ak, av, kc, vc, table, [T], [ctx], HD**-0.5)
 
     res["attention_long"] = peak(attn_long)
+    res["vision"], res["vision_tokens"] = vision(T, dev, dt)
     res["per_token"] = {
         name: round(res[name] / T, 1)  # type: ignore[operator]
-        for name in ("moe", "gdn_chunk", "attention_profile", "attention_long")
+        for name in ("moe", "gdn_chunk", "attention_profile", "attention_long", "vision")
     }
     text = json.dumps(res, indent=1)
     print(text)

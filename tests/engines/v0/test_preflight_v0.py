@@ -66,7 +66,7 @@ def test_margin_band_is_a_warning(facts: pf.ModelFacts) -> None:
     """Between the line and 10 % above it: WARN (the assumed terms are inside 10 %)."""
     kw = dict(tp=4, max_num_batched_tokens=8192, max_num_seqs=16, max_model_len=262_144)
     statuses = {}
-    for util in [u / 1000 for u in range(600, 700)]:
+    for util in [u / 1000 for u in range(600, 760)]:
         plan = pf.v0_memory_plan(facts, gpu_memory_utilization=util, **kw)
         statuses.setdefault(pf.check_v0_memory(plan).status, util)
     assert statuses[pf.NO_GO] < statuses[pf.WARN] < statuses[pf.GO]
@@ -84,6 +84,16 @@ def test_budget_terms_move_the_pool(facts: pf.ModelFacts) -> None:
     assert bigger.kv_bytes < base.kv_bytes  # a larger chunk, a larger profile peak
     no_ipc = pf.v0_memory_plan(facts, max_num_batched_tokens=8192, ipc=False, **kw)
     assert no_ipc.kv_bytes - base.kv_bytes == pf.IPC_REGION_BYTES
+    # The profile encodes one step's image: the (replicated) vision tower sets the peak; an
+    # image larger than the step comes out of the memory outside the utilisation.
+    act = pf.v0_activation_bytes(facts, 8192, 16)
+    assert act["largest_family"] == "vision" and act["largest_image_excess"] > 0
+    text = pf.v0_activation_bytes(facts, 8192, 16, images=False)
+    assert text["largest_family"] == "moe" and text["largest_image_excess"] == 0
+    no_images = pf.v0_memory_plan(facts, max_num_batched_tokens=8192, images=False, **kw)
+    assert no_images.kv_bytes > base.kv_bytes
+    assert no_images.headroom_bytes - base.headroom_bytes == act["largest_image_excess"]
+    assert base.weights_estimate_gib > pf.weights_estimate_gib(facts, 4)  # tower replicated
 
 
 def test_checkpoint_pool_is_the_engines_and_the_yamls(tmp_path: Path) -> None:
