@@ -32,7 +32,12 @@ Subcommands (each engine in a process of its own: vLLM's parallel state is per p
     each 8,192-token chunk timed (fresh, then over the cached context); the ``--contexts``
     prompts' chunks are timed too.
 
-``paper --result F.json [--out P.json]``
+``collectives --model DIR --out F.json``
+    Issue 49's count on one device: the collectives a TP > 1 decode step of our model runs, by
+    forward hooks on the modules that run them, counted on a TP 1 engine (see
+    :func:`cmd_collectives`).
+
+``paper --result F.json [--dataset replay881.jsonl] --out P.json``
     The paper score for the card from a ``real`` result: see :func:`paper_score`.
 
 Progress goes to stdout; each subcommand writes its JSON and a text table beside it.
@@ -579,6 +584,70 @@ def render_real(res: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def cmd_collectives(args: argparse.Namespace) -> int:
+    """Where a TP > 1 step of our V0 model communicates, counted on a TP 1 engine: forward hooks
+    on every module that runs a collective when the tensor-parallel size is above 1 (vLLM 0.6.3's
+    ``RowParallelLinear`` with ``reduce_results``, ``VocabParallelEmbedding``, our MoE block's
+    one all-reduce, ``LogitsProcessor``'s gather of the vocab shards), one B = 1 decode step of
+    a prompt. Bytes are this TP 1 run's tensor sizes; at TP 4 a rank's share of the logits
+    gather is a quarter of the vocabulary."""
+    from vllm import SamplingParams
+    from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    from vllm_overrides.engines.v0.qwen3_5 import Qwen3_5SparseMoe
+
+    llm = make_llm(args.model, args.dtype, max_num_batched_tokens=256, max_num_seqs=2,
+                   max_model_len=1024)  # fmt: skip
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    calls: dict[str, list[int]] = {}
+    counting = [False]
+
+    def hook(kind: str) -> Any:
+        def fn(mod: Any, inp: Any, out: Any) -> None:
+            if counting[0]:
+                t = out[0] if isinstance(out, tuple) else out
+                calls.setdefault(kind, []).append(t.numel() * t.element_size())
+        return fn
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, RowParallelLinear) and mod.reduce_results:
+            kind = f"all_reduce: {type(mod).__name__} {name.split('.')[-1]}"
+            mod.register_forward_hook(hook(kind))
+        elif isinstance(mod, VocabParallelEmbedding) and "lm_head" not in name:
+            mod.register_forward_hook(hook("all_reduce: embedding"))
+        elif isinstance(mod, Qwen3_5SparseMoe):
+            mod.register_forward_hook(hook("all_reduce: MoE block output"))
+    orig = LogitsProcessor._get_logits
+
+    def get_logits(self: Any, hidden: Any, lm_head: Any, embedding_bias: Any) -> Any:
+        out = orig(self, hidden, lm_head, embedding_bias)
+        if counting[0] and out is not None:
+            calls.setdefault("gather: logits (LogitsProcessor)", []).append(
+                out.numel() * out.element_size())
+        return out
+
+    LogitsProcessor._get_logits = get_logits  # type: ignore[method-assign]
+    eng = llm.llm_engine
+    eng.add_request("c", {"prompt_token_ids": list(range(100, 164))},
+                    SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    eng.step()  # the prefill
+    counting[0] = True
+    eng.step()  # one decode step
+    counting[0] = False
+    rows = {k: {"calls": len(v), "bytes_per_call": v[0]} for k, v in sorted(calls.items())}
+    n_ar = sum(r["calls"] for k, r in rows.items() if k.startswith("all_reduce"))
+    res = {"meta": env_meta(), "model": args.model, "dtype": args.dtype, "per_decode_step": rows,
+           "all_reduces_per_step": n_ar,
+           "layers": model.text_config.num_hidden_layers}  # fmt: skip
+    lines = [f"collectives of one B = 1 decode step at TP > 1 (counted at TP 1 on {args.model}, "
+             f"{model.text_config.num_hidden_layers} layers): {n_ar} all-reduces"]  # fmt: skip
+    lines += [f"  {k}: {r['calls']} x {r['bytes_per_call']} B" for k, r in rows.items()]
+    write(Path(args.out), res, "\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -603,13 +672,17 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--gpu-mem", type=float, default=0.6)
     a.add_argument("--dtype", default="half", help="half (the YAML's); float32 for a CPU dry run")
     a.add_argument("--out", required=True)
+    a = sub.add_parser("collectives")
+    a.add_argument("--model", required=True)
+    a.add_argument("--dtype", default="float32")
+    a.add_argument("--out", required=True)
     a = sub.add_parser("paper")
     a.add_argument("--result", required=True)
     a.add_argument("--dataset", default=None, help="replay881 jsonl (output lengths)")
     a.add_argument("--out", required=True)
     args = p.parse_args(argv)
     return {"rank-config": cmd_rank_config, "tiny": cmd_tiny, "real": cmd_real,
-            "paper": cmd_paper}[args.cmd](args)  # fmt: skip
+            "collectives": cmd_collectives, "paper": cmd_paper}[args.cmd](args)  # fmt: skip
 
 
 # The card (PLATFORM.md unless marked): what the paper score scales the measured step by.
