@@ -770,8 +770,8 @@ def paper_score(res: dict[str, Any], reqs: list[dict[str, Any]], card: dict[str,
     """The replay at concurrency 1 on the card, request by request:
 
     * TTFT = the fitted card prefill of its uncached tokens over its cached ones (all of the
-      prompt when ``hit`` is False: HEAD's V0 model turns prefix caching off until GDN state
-      checkpoints land) + the TP4 all-reduces of those tokens at ``link_gbps`` and their
+      prompt when ``hit`` is False: the V0 model turned prefix caching off until GDN state
+      checkpoints landed, b00296b) + the TP4 all-reduces of those tokens at ``link_gbps`` and their
       latency per chunk (``perf_metrics.tp4_overhead_s`` without its weight re-read term: each
       measured chunk already read the weights);
     * decode = (out - 1) steps at the card's per-token time at the mean context of the request's
@@ -831,7 +831,7 @@ def cmd_paper(args: argparse.Namespace) -> int:
         ("card matmul 0.25 x peak", {"card": {**CARD, "matmul_efficiency": 0.25}}),
         ("prefill link 8 GB/s", {"link_gbps": 8.0}),
         ("prefill link 31.5 GB/s", {"link_gbps": 31.5}),
-        ("no cache hits (HEAD: GDN prefix caching off)", {"hit": False}),
+        ("no cache hits (prefix caching off, as at 56cbc73)", {"hit": False}),
         ("what if: prefill (one rank) 2x faster", {"prefill_scale": 0.5}),
         ("what if: decode 2x faster", {"decode_scale": 0.5}),
         ("what if: both 2x faster", {"prefill_scale": 0.5, "decode_scale": 0.5}),
@@ -857,8 +857,9 @@ def cmd_paper(args: argparse.Namespace) -> int:
         f"{base['prefill_fit']['b_ns_per_pair']:.3f} ns/pair",
         f"{'case':<46}{'TPS P10':>9}{'TTFT P90':>10}{'hit':>7}{'leaderboard':>13}",
     ]
-    for label, r in [("base (IPC 0.021 ms, simulated hits)", base),
-                     ("base, no cache hits", no_hit)] + [(x["case"], x) for x in sens]:
+    named = [("base (IPC 0.021 ms, simulated hits)", base),
+             ("base, no cache hits (as at 56cbc73)", no_hit)]
+    for label, r in named + [(x["case"], x) for x in sens]:
         lines.append(f"{label:<46}{r['output_tps_p10']:>9.2f}{r['ttft_p90_s']:>10.2f}"
                      f"{r['hit']:>7.1%}{r['leaderboard']:>13.1f}")  # fmt: skip
     write(Path(args.out), out, "\n".join(lines))
