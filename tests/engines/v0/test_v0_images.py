@@ -65,6 +65,9 @@ def llm(oracle: dict[str, Any]) -> Iterator[Any]:
         seed=0,
         limit_mm_per_prompt={"image": 4},
         mm_processor_kwargs={"max_pixels": MAX_PIXELS},
+        # As the YAML: cache hits must be exact (the image tests match the oracle either way).
+        enable_prefix_caching=True,
+        swap_space=1,
     )
     yield engine
     del engine
@@ -217,3 +220,33 @@ def test_tp2_images_match_hf(oracle: dict[str, Any]) -> None:
     got = json.loads(lines[-1][len("RESULT ") :])
     for name, tokens in zip(NAMES, got, strict=True):
         assert tokens == oracle[name]["tokens"][:MAX_NEW], name
+
+
+def test_prefix_cache_tells_images_apart(llm: Any, oracle: dict[str, Any]) -> None:
+    """With prefix caching (the YAML's; this module's engine has it), V0 hashes blocks by token
+    ids: the ids at image positions follow the pixels, so a prompt that differs only in its
+    images (same sizes, same text) must not reuse the other images' blocks, and the same images
+    again are served from the cache with the same tokens."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    spec = oracle["image_two"]
+    want = spec["tokens"][:MAX_NEW]
+
+    def run(images: list[list[Any]]) -> Any:
+        prompt = {
+            "prompt_token_ids": spec["prompt"],
+            "multi_modal_data": {"image": _images(images)},
+        }
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        return out
+
+    other = [["noise", *spec["images"][0][1:]], ["gradient", *spec["images"][1][1:]]]
+    assert other != spec["images"]
+    run(other)  # cached first: a hit past the text would serve these images' KV and states
+    for _ in range(2):
+        out = run(spec["images"])
+        assert list(out.outputs[0].token_ids) == want
+    # The second run is served from the cache beyond the 200-token text, into the images.
+    assert llm.llm_engine.cache_config.enable_prefix_caching
+    assert out.num_cached_tokens > 256, out.num_cached_tokens
