@@ -1,4 +1,8 @@
-"""Qwen3.5 / Qwen3.6 MoE (``qwen3_5_moe``) for vLLM 0.6.3's V0 engine, text path.
+"""Qwen3.5 / Qwen3.6 MoE (``qwen3_5_moe``) for vLLM 0.6.3's V0 engine: text and images.
+
+Images: :mod:`.qwen3_5_mm` processes them at admission and lays out each step's image rows and
+3-D positions (patch 0020); :mod:`.qwen3_5_vision` is the tower, replicated on every TP rank;
+the model writes the tower's rows over the image tokens' embeddings.
 
 Our own model class on vLLM 0.6.3's building blocks (parallel linear layers, vocab-parallel
 embedding and LM head, the ``Attention`` layer, logits processor and sampler) and on our native
