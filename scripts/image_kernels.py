@@ -9,15 +9,22 @@ In order, the first that applies:
 2. the base's CoreX clang (``COREX_CLANG``, default ``/usr/local/corex-3.2.3/bin/clang++``) is
    there: every ``CSRC/*.cu`` and ``module.cpp`` compiled with it (``--cuda-gpu-arch=ivcore10
    --cuda-path=/usr/local/corex-3.2.3 --no-cuda-version-check``, PLATFORM.md) in parallel, then
-   linked into ``DEST/vo_native_kernels.so`` (DEST: the folder holding torch). Direct clang
-   calls, not torch's ``cpp_extension``: it wants ninja (absent) or nvcc (a stub on the base).
-   All of it under one TIMEOUT_S deadline; 0 skips it;
+   the objects that compiled linked into ``DEST/vo_native_kernels.so`` (DEST: the folder
+   holding torch). Direct clang calls, not torch's ``cpp_extension``: it wants ninja (absent)
+   or nvcc (a stub on the base). All of it under one TIMEOUT_S deadline; 0 skips it;
 3. neither: nothing is installed.
 
-A result counts only if ``import vo_native_kernels`` then registers ``torch.ops.vo_kernels`` in
-a fresh interpreter with no GPU visible (``CUDA_VISIBLE_DEVICES=""``); otherwise it is removed.
-Never fails (exit 0): without the kernels the server runs the PyTorch ops and
-``vllm_overrides/native/kernels.py`` logs that. The outcome is one line (``kernels: ...``) on
+Each ``.cu`` is one op family (its ``TORCH_LIBRARY_FRAGMENT`` registers that family's ops;
+``module.cpp`` only makes the library a Python module), so a source the compiler refuses or
+does not finish in time is left out and the other families still ship: the server runs that
+family's PyTorch ops (``kernels.py`` logs it per family). If the library then does not link or
+import, each family is tried left out once more (a link and an import each: cheap).
+
+A result counts only if ``import vo_native_kernels`` then registers the ops of every family
+built (the names each ``.cu`` passes to ``m.def``) in a fresh interpreter with no GPU visible
+(``CUDA_VISIBLE_DEVICES=""``); otherwise it is removed. Never fails (exit 0): without the
+kernels the server runs the PyTorch ops and ``vllm_overrides/native/kernels.py`` logs that.
+The outcome is one line (``kernels: ...``: the families built and those left out, and why) on
 stdout and in the report file (``/workspace/kernels-build.txt``), the compiler output after it.
 
 Knobs for other toolchains (the CI test drives this step with upstream clang and CUDA headers):
@@ -28,9 +35,9 @@ separated), ``VO_KERNELS_LDFLAGS`` (replaces ``-L<cuda>/lib64 -lcudart``), ``KER
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -102,10 +109,36 @@ def torch_facts() -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def family_ops(source: Path) -> list[str]:
+    """The ops a kernel source registers (its ``m.def("name(...``): what the import check asks
+    of its family."""
+    return re.findall(r'm\.def\(\s*"(\w+)\(', source.read_text(encoding="utf-8", errors="replace"))
+
+
+class Build:
+    """What a clang build produced: the library (None: nothing usable), the families in it and
+    those left out with why."""
+
+    def __init__(self) -> None:
+        self.library: Path | None = None
+        self.built: list[str] = []
+        self.left_out: dict[str, str] = {}
+        self.timed_out = False  # every failure was the deadline (nothing else went wrong)
+
+    def summary(self) -> str:
+        text = ", ".join(self.built) or "no family"
+        if self.left_out:
+            out = ", ".join(f"{f} ({why})" for f, why in self.left_out.items())
+            text += f"; left out (their PyTorch ops serve): {out}"
+        return text
+
+
 def compile_with_clang(
     clang: str, csrc: Path, dest: Path, deadline: Deadline, log: list[str]
-) -> Path | None:
-    """Compile and link the extension into ``dest``; None if any step fails."""
+) -> Build:
+    """Compile each kernel source on its own, link those that compiled into ``dest`` and check
+    that the library imports with their ops (leaving out one more family at a time if not)."""
+    build = Build()
     facts = torch_facts()
     cuda = os.environ.get("COREX_CUDA_PATH", "/usr/local/corex-3.2.3")
     arch = os.environ.get("COREX_GPU_ARCH", "ivcore10")
@@ -123,7 +156,10 @@ def compile_with_clang(
     sources = sorted(csrc.glob("*.cu"))
     if not sources or not (csrc / "module.cpp").is_file():
         log.append(f"no kernel sources in {csrc}")
-        return None
+        return build
+    # Compiles stop early enough to leave time for the link and import checks of what did
+    # compile: a source that outlives them is left out, not the whole step.
+    compile_deadline = Deadline(deadline.left() - min(90.0, deadline.left() / 4))
     with tempfile.TemporaryDirectory() as tmp:
         jobs = [
             [clang, *device, *common, *extra, "-c", str(s), "-o", f"{tmp}/{s.stem}.o"]
@@ -132,38 +168,85 @@ def compile_with_clang(
         jobs.append([clang, "-x", "c++", *common, "-c", str(csrc / "module.cpp"), "-o",
                      f"{tmp}/module.o"])  # fmt: skip
         logs: list[list[str]] = [[] for _ in jobs]
+
+        def compile_one(i: int) -> str:
+            try:
+                return "" if run(jobs[i], compile_deadline, logs[i]) else "compile error"
+            except subprocess.TimeoutExpired:
+                return "timeout"
+
         workers = int(os.environ.get("KERNELS_JOBS", "0")) or os.cpu_count() or 1
         with ThreadPoolExecutor(workers) as pool:
-            ok = list(pool.map(lambda i: run(jobs[i], deadline, logs[i]), range(len(jobs))))
+            failed = list(pool.map(compile_one, range(len(jobs))))
         for part in logs:
             log.extend(part)
-        if not all(ok):
-            return None
-        ldflags = os.environ.get("VO_KERNELS_LDFLAGS", f"-L{cuda}/lib64 -L{cuda}/lib -lcudart")
-        out = dest / f"{NAME}.so"
-        link = [
-            clang, "-shared", "-o", f"{tmp}/{NAME}.so", *sorted(glob.glob(f"{tmp}/*.o")),
-            f"-L{facts['lib']}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
-            "-lc10_cuda", "-ltorch_cuda", *ldflags.split(),
-        ]  # fmt: skip
-        if not run(link, deadline, log):
-            return None
-        shutil.copy2(f"{tmp}/{NAME}.so", out)
-        return out
+        build.timed_out = all(f in ("", "timeout") for f in failed)
+        for name, why in zip([s.stem for s in sources] + ["module.cpp"], failed, strict=True):
+            if why:
+                build.left_out[name] = why
+        if failed[-1]:  # module.cpp: no library without it
+            return build
+        families = {s.stem: family_ops(s) for s, why in zip(sources, failed, strict=False)
+                    if not why}  # fmt: skip
+        if not families:
+            return build
+        build.timed_out = False
+        # All that compiled; if that does not link or import, each one left out in turn.
+        tries = [list(families)] + [[f for f in families if f != drop] for drop in families]
+        if len(families) == 1:
+            tries = tries[:1]
+        for names in tries:  # past the deadline, run() raises TimeoutExpired
+            if try_library(clang, tmp, names, families, facts, cuda, dest, deadline, log):
+                build.library, build.built = dest / f"{NAME}.so", names
+                for f in families:
+                    if f not in names:
+                        build.left_out[f] = "link or import failed"
+                return build
+        build.left_out.update(dict.fromkeys(families, "link or import failed"))
+        return build
 
 
-def import_check(deadline: Deadline, log: list[str], where: Path | None = None) -> bool:
-    """The ops register in a fresh interpreter (with no GPU visible); ``where``: a folder to
-    import from first (a build's destination off the default path)."""
+def try_library(
+    clang: str, tmp: str, names: list[str], families: dict[str, list[str]], facts: dict,
+    cuda: str, dest: Path, deadline: Deadline, log: list[str],
+) -> bool:  # fmt: skip
+    """Link ``names``' objects with module.o into ``dest`` and check that it imports with
+    their ops; a library that does not is removed."""
+    ldflags = os.environ.get("VO_KERNELS_LDFLAGS", f"-L{cuda}/lib64 -L{cuda}/lib -lcudart")
+    out = dest / f"{NAME}.so"
+    link = [
+        clang, "-shared", "-o", f"{tmp}/{NAME}.so", *(f"{tmp}/{n}.o" for n in names),
+        f"{tmp}/module.o", f"-L{facts['lib']}", "-lc10", "-ltorch", "-ltorch_cpu",
+        "-ltorch_python", "-lc10_cuda", "-ltorch_cuda", *ldflags.split(),
+    ]  # fmt: skip
+    if not run(link, deadline, log):
+        return False
+    shutil.copy2(f"{tmp}/{NAME}.so", out)
+    ops = [op for n in names for op in families[n]]
+    if set(import_check(ops, deadline, log, dest)) == set(ops):
+        return True
+    out.unlink(missing_ok=True)
+    return False
+
+
+def import_check(
+    ops: list[str], deadline: Deadline, log: list[str], where: Path | None = None
+) -> list[str]:
+    """Which of ``ops`` the library registers when imported in a fresh interpreter (with no GPU
+    visible); [] if it does not import. ``where``: a folder to import from first (a build's
+    destination off the default path)."""
     code = (
-        f"import torch, {NAME}\n"
-        "assert hasattr(torch.ops.vo_kernels, 'gdn_decode'), 'no vo_kernels ops registered'\n"
+        f"import sys, torch, {NAME}\n"
+        "print('registered:', *[n for n in sys.argv[1:] if hasattr(torch.ops.vo_kernels, n)])\n"
         f"print('{NAME} imports:', {NAME}.__file__)\n"
     )
     env = dict(NO_GPU)
     if where is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(where), env.get("PYTHONPATH")]))
-    return run([sys.executable, "-c", code], deadline, log, env)
+    if not run([sys.executable, "-c", code, *ops], deadline, log, env):
+        return []
+    line = next((x for x in log[-1].splitlines() if x.startswith("registered:")), "registered:")
+    return line.split()[1:]
 
 
 def kernels_step(
@@ -179,20 +262,25 @@ def kernels_step(
         if wheels:
             pip = [sys.executable, "-m", "pip"]
             cmd = [*pip, "install", "--no-index", "--no-deps", str(wheels[-1])]
-            if run(cmd, deadline, log) and import_check(deadline, log):
-                return f"kernels: prebuilt {wheels[-1].name} installed and imports"
+            ops = {s.stem: family_ops(s) for s in sorted(csrc.glob("*.cu"))}
+            got = set(import_check([o for v in ops.values() for o in v], deadline, log)) if run(
+                cmd, deadline, log) else set()  # fmt: skip
+            if got:
+                missing = [f for f, v in ops.items() if not set(v) <= got]
+                tail = f"; without {', '.join(missing)}: their PyTorch ops" if missing else ""
+                return f"kernels: prebuilt {wheels[-1].name} installed and imports{tail}"
             run([*pip, "uninstall", "-y", "vo-native-kernels"], deadline, log)
             return f"kernels: prebuilt {wheels[-1].name} did not install or import: {TORCH_OPS}"
         if not (os.path.isfile(clang) and os.access(clang, os.X_OK)):
             return f"kernels: no CoreX clang at {clang}: {TORCH_OPS}"
         dest = dest or Path(torch_facts()["site"])
-        built = compile_with_clang(clang, csrc, dest, deadline, log)
-        if built is None:
-            return f"kernels: the CoreX clang build failed: {TORCH_OPS}"
-        if import_check(deadline, log, dest):
-            return f"kernels: built with {clang} into {built} and imports"
-        built.unlink(missing_ok=True)
-        return f"kernels: built but does not import: {TORCH_OPS}"
+        build = compile_with_clang(clang, csrc, dest, deadline, log)
+        if build.library is not None:
+            where = f"built with {clang} into {build.library}"
+            return f"kernels: {where} and imports: {build.summary()}"
+        if build.timed_out:
+            raise subprocess.TimeoutExpired(clang, timeout)
+        return f"kernels: the CoreX clang build failed ({build.summary()}): {TORCH_OPS}"
     except subprocess.TimeoutExpired:
         if dest is not None:
             (dest / f"{NAME}.so").unlink(missing_ok=True)

@@ -11,6 +11,7 @@ turns a missing one into a failure.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -43,13 +44,14 @@ def torch_python() -> str | None:
 
 
 def kernels_step(
-    tmp: Path, timeout: float, env: dict[str, str], python: str = sys.executable
-) -> tuple[subprocess.CompletedProcess, str]:
+    tmp: Path, timeout: float, env: dict[str, str], python: str = sys.executable,
+    csrc: Path = CSRC,
+) -> tuple[subprocess.CompletedProcess, str]:  # fmt: skip
     report = tmp / "kernels-build.txt"
     dest = tmp / "dest"
     dest.mkdir(exist_ok=True)
     proc = subprocess.run(
-        [python, str(SCRIPT), str(CSRC), str(tmp / "no-wheels"), str(timeout),
+        [python, str(SCRIPT), str(csrc), str(tmp / "no-wheels"), str(timeout),
          "--dest", str(dest), "--report", str(report)],
         env={**os.environ, **env}, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
@@ -121,7 +123,9 @@ def cuda_home_for_clang(tmp: Path, fatbinary: str) -> Path:
     return home
 
 
-def test_clang_builds_a_library_that_registers_the_ops(tmp_path: Path) -> None:
+def clang_env(tmp_path: Path) -> tuple[dict[str, str], str]:
+    """The step's environment for upstream clang-19 at sm_70 and an interpreter whose torch
+    (2.1, CUDA build) it links against; skips (or fails under VO_REQUIRE_CLANG=1) without."""
     from scripts import clang_kernels_check as cc
     from scripts import cuda_toolchain
 
@@ -150,12 +154,53 @@ def test_clang_builds_a_library_that_registers_the_ops(tmp_path: Path) -> None:
         "VO_NVCC_FLAGS": f"-O0 -Wno-unknown-cuda-version -Wno-c++20-extensions -I{stubs}",
         "VO_KERNELS_LDFLAGS": f"-L{cudart} -l:libcudart.so.12",
     }
-    proc, line = kernels_step(tmp_path, 1500, env, python)
-    assert line.startswith(f"kernels: built with {clang}") and "and imports" in line, proc.stdout
-    built = tmp_path / "dest" / "vo_native_kernels.so"
+    return env, python
+
+
+def registered(tmp_path: Path, python: str, ops: list[str]) -> dict[str, bool]:
+    """Which of ``ops`` the built library registers, imported in a fresh interpreter."""
+    code = (
+        "import sys, json, torch, vo_native_kernels\n"
+        "print(json.dumps({n: hasattr(torch.ops.vo_kernels, n) for n in sys.argv[1:]}))"
+    )
     check = subprocess.run(
-        [python, "-c", "import torch, vo_native_kernels; print(torch.ops.vo_kernels.gdn_decode)"],
-        env={**os.environ, "PYTHONPATH": str(built.parent), "CUDA_VISIBLE_DEVICES": ""},
+        [python, "-c", code, *ops],
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "dest"), "CUDA_VISIBLE_DEVICES": ""},
         capture_output=True, text=True,
     )  # fmt: skip
     assert check.returncode == 0, check.stderr[-3000:]
+    return json.loads(check.stdout.splitlines()[-1])
+
+
+def test_clang_builds_a_library_that_registers_the_ops(tmp_path: Path) -> None:
+    env, python = clang_env(tmp_path)
+    clang = env["COREX_CLANG"]
+    proc, line = kernels_step(tmp_path, 1500, env, python)
+    assert line.startswith(f"kernels: built with {clang}") and "and imports" in line, proc.stdout
+    families = sorted(p.stem for p in CSRC.glob("*.cu"))
+    assert f"and imports: {', '.join(families)} (" in line and "left out" not in line, line
+    ops = ["gdn_decode", "gdn_conv_prep", "gdn_chunk_prefill", "moe_route", "moe_grouped_gemm",
+           "paged_decode", "paged_prefill", "paged_write_kv", "qk_norm_rope_gate"]  # fmt: skip
+    assert all(registered(tmp_path, python, ops).values())
+
+
+def test_a_source_that_does_not_compile_leaves_the_other_families_in(tmp_path: Path) -> None:
+    """One family's source broken (a syntax error, as a compiler that refuses it would leave
+    it): the library ships with the others' ops and the line names the one left out. Two
+    small families keep the compile short; the full set builds in the test above."""
+    env, python = clang_env(tmp_path)
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    for name in ("module.cpp", "common.cuh", "cpu_emulation.h", "gdn_conv.cu"):
+        shutil.copy2(CSRC / name, csrc / name)
+    source = (CSRC / "moe_prefill.cu").read_text()
+    broken = source.replace('#include "common.cuh"', '#include "common.cuh"\nthis is not C++;', 1)
+    (csrc / "moe_prefill.cu").write_text(broken)
+    proc, line = kernels_step(tmp_path, 1500, env, python, csrc)
+    assert line.startswith(f"kernels: built with {env['COREX_CLANG']}"), proc.stdout
+    left_out = "left out (their PyTorch ops serve): moe_prefill (compile error)"
+    assert f"and imports: gdn_conv; {left_out} (" in line, line
+    # the compiler's complaint reaches the report
+    assert "this is not C++" in (tmp_path / "kernels-build.txt").read_text()
+    got = registered(tmp_path, python, ["gdn_conv_prep", "moe_route", "moe_permute"])
+    assert got == {"gdn_conv_prep": True, "moe_route": False, "moe_permute": False}
