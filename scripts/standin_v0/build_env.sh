@@ -38,6 +38,11 @@ trap 'rm -rf "$work"' EXIT
 "$py" "$here/repack_vllm.py" "$work"/vllm-0.6.3-*.whl "$work/out" >/dev/null
 "$py" -m pip install -q --no-deps "$work"/out/vllm-*.whl
 site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+# gguf 0.10 (vLLM 0.6.3's GGUF loader) ships its command-line tools as a top-level `scripts`
+# package; a regular package shadows this repository's scripts/ (a namespace package) wherever
+# both are on sys.path, so `from scripts.build_context import ...` failed here. The loader needs
+# only the `gguf` package: the tools and their gguf-* launchers go.
+rm -rf "$site/scripts" "$VENV_V0"/bin/gguf-*
 cp -r "$here/pyairports" "$site/"
 # The harness that runs the card's GPU worker on CPU tensors (vllm_standin/__init__.py).
 rm -rf "$site/vllm_standin"
