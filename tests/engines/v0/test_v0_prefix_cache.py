@@ -27,6 +27,7 @@ BLOCK = 16
 POOL = 6
 KV_BLOCKS = 400
 MAX_NEW = 64
+TP2_NEW = 16  # decode steps cost most at TP 2 (an all-reduce per layer over gloo)
 IM_END = 248046  # the tiny model's tokenizer: <|im_end|>
 
 
@@ -240,13 +241,15 @@ from vllm import LLM, SamplingParams
 prompts, budget, max_new = json.loads(sys.argv[1])
 llm = LLM(model=sys.argv[2], dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
           enable_chunked_prefill=True, max_num_batched_tokens=budget, max_num_seqs=16,
-          max_model_len=4096, seed=0, tensor_parallel_size=2,
-          distributed_executor_backend="mp", enable_prefix_caching=True)
+          max_model_len=2048, seed=0, tensor_parallel_size=2,
+          distributed_executor_backend="mp", enable_prefix_caching=True,
+          swap_space=0.05, num_gpu_blocks_override=512)
 params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
 res = []
 for p in prompts:
     (o,) = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
     res.append([list(o.outputs[0].token_ids), o.num_cached_tokens])
+    print("DONE", len(p), o.num_cached_tokens, flush=True)
 print("RESULT " + json.dumps(res), flush=True)
 """
 
@@ -264,7 +267,7 @@ def test_tp2_ranks_load_and_save_the_same_checkpoints(oracle: dict[str, Any]) ->
         oracle["len2000"]["prompt"][:1000],
         oracle["prefix_hit"]["prompt"],
     ]
-    args = json.dumps([prompts, BUDGET, MAX_NEW])
+    args = json.dumps([prompts, BUDGET, TP2_NEW])
     env = {**os.environ, "PYTHONPATH": str(TINY_MODEL.parents[1])}
     proc = subprocess.run(
         [sys.executable, "-c", _TP2_SCRIPT, args, str(TINY_MODEL)],
@@ -274,5 +277,5 @@ def test_tp2_ranks_load_and_save_the_same_checkpoints(oracle: dict[str, Any]) ->
     assert proc.returncode == 0 and lines, f"TP 2 run failed:\n{proc.stderr[-4000:]}"
     res = json.loads(lines[-1][len("RESULT ") :])
     assert [c for _, c in res] == [0, 496, 0, 992]
-    assert res[1][0] == oracle["len500"]["tokens"][:MAX_NEW]
-    assert res[3][0] == oracle["prefix_hit"]["tokens"][:MAX_NEW]
+    assert res[1][0] == oracle["len500"]["tokens"][:TP2_NEW]
+    assert res[3][0] == oracle["prefix_hit"]["tokens"][:TP2_NEW]
