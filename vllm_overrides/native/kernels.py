@@ -61,7 +61,11 @@ Selection (``NATIVE_KERNELS``, read at import; :func:`set_backend` for tools and
 No op changes path silently: the first call of each op on each path (``fused``, ``emulated``,
 ``torch``) logs one line naming the op family, the path and, for the PyTorch path, why
 (:func:`note_path`; :data:`PATHS` holds what ran). ``tests/engines/v0/test_torch21_floor.py``
-fails if the kernels load but an op family does not run on them.
+fails if the kernels load but an op family does not run on them. A library without some
+family's ops (the image's kernels step leaves out a source its compiler refuses or does not
+finish: ``scripts/image_kernels.py``) serves the other families; the ops it lacks
+(:data:`LIB_OPS`) take their PyTorch path, and their log line says the library was built
+without them.
 
 The extension comes from the prebuilt wheel (``scripts/build_kernels_wheel.sh``; the image
 installs it from ``build-inputs/wheelhouse/``) or, for development, from a JIT build of
@@ -145,6 +149,28 @@ OP_FAMILIES = {
     "paged_decode": "paged attention decode",
     "paged_prefill": "paged attention prefill",
 }
+# The library ops each selector op calls. Each kernel source (csrc/<family>.cu) registers its
+# own; a library built without some source (the image's kernels step leaves out one that its
+# compiler refuses or does not finish) serves the others, and an op whose library ops are
+# missing takes its PyTorch path, logged once with why.
+LIB_OPS: dict[str, tuple[str, ...]] = {
+    "gemma_rms_norm": ("gemma_rms_norm", "gemma_fused_add_rms_norm"),
+    "rms_norm_gated": ("rms_norm_gated",),
+    "dense_linear": ("dense_linear",),
+    "gdn_decode": ("gdn_decode",),
+    "gdn_conv_prep": ("gdn_conv_prep",),
+    "gdn_chunk_prefill": ("gdn_chunk_prefill",),
+    "moe_route": ("moe_route",),
+    "moe_decode": ("moe_decode",),
+    "moe_decode_routed": ("moe_decode_routed",),
+    "moe_prefill": ("moe_route_count", "moe_permute", "moe_order", "moe_act", "moe_combine"),
+    "moe_grouped_gemm": ("moe_grouped_gemm",),
+    "qk_norm_rope_gate": ("qk_norm_rope_gate",),
+    "paged_write_kv": ("paged_write_kv",),
+    "paged_decode": ("paged_decode",),
+    "paged_prefill": ("paged_prefill",),
+}
+_has: dict[str, bool] = {}  # op -> whether the loaded library registers its LIB_OPS
 # Every (op, path) that ran in this process: "fused" (the CUDA extension), "emulated" (the
 # kernels on host threads, tests only) or "torch" (the PyTorch ops). One log line each.
 PATHS: dict[str, set[str]] = {}
@@ -185,7 +211,7 @@ def _torch_used(op: str, x: torch.Tensor, why: str = "") -> None:
     """``op`` took its PyTorch path on ``x`` (logged once per op, with the reason)."""
     if op not in TORCH_USED and not torch_compat.is_compiling():
         TORCH_USED.add(op)
-        note_path(op, "torch", why or _why_torch(x))
+        note_path(op, "torch", why or _why_torch(x, op))
 
 
 def _log_plan(op: str, describe: Any) -> None:
@@ -202,10 +228,35 @@ def _log_plan(op: str, describe: Any) -> None:
     _log_once(key, "native op %s [%s]: %s", OP_FAMILIES.get(op, op), op, text)
 
 
-def _why_torch(x: torch.Tensor) -> str:
+def _lib_has(name: str) -> bool:
+    """Whether the loaded library registers ``torch.ops.vo_kernels.<name>`` (a test seam)."""
+    return hasattr(torch.ops.vo_kernels, name)
+
+
+def has_ops(op: str) -> bool:
+    """Whether the loaded library has what selector op ``op`` calls (:data:`LIB_OPS`); asked
+    only once a library serves (checked once per op: eager decode asks every layer)."""
+    ok = _has.get(op)
+    if ok is None:
+        ok = _has[op] = all(_lib_has(name) for name in LIB_OPS[op])
+    return ok
+
+
+def _fused(op: str, x: torch.Tensor) -> bool:
+    """:func:`use_cuda` for ``x`` and the library has ``op``'s kernels."""
+    return use_cuda(x) and has_ops(op)
+
+
+def _why_torch(x: torch.Tensor, op: str = "") -> str:
     if _mode == "torch":
         return "NATIVE_KERNELS=torch"
     if (_loaded and x.is_cuda) or (_emulated and x.device.type == "cpu"):
+        if op in LIB_OPS and not has_ops(op):
+            missing = [name for name in LIB_OPS[op] if not _lib_has(name)]
+            return (
+                f"vo_native_kernels was built without {', '.join(missing)} "
+                "(its source left out: the kernels build report says why)"
+            )
         return "the kernel does not take these shapes, dtypes or layouts"
     if x.device.type != "cuda" and not _emulated:
         return f"tensors on {x.device.type}"
@@ -294,7 +345,9 @@ def extension_loaded() -> bool:
                 if os.environ.get("NATIVE_KERNELS_JIT", "0") != "1":
                     raise
                 jit_build()
-            _loaded = hasattr(torch.ops.vo_kernels, "gdn_decode")
+            # Any family's ops: a library built without some sources serves the others.
+            _has.clear()
+            _loaded = any(_lib_has(name) for names in LIB_OPS.values() for name in names)
             if _loaded:
                 _fakes()
             else:
@@ -343,7 +396,7 @@ def gemma_rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`.rmsnorm.gemma_rms_norm`, or with ``residual`` the fused add
     (:func:`.rmsnorm.gemma_fused_add_rms_norm`, returns ``(out, new_residual)``)."""
-    if use_cuda(x) and x.shape[-1] == weight.numel():
+    if _fused("gemma_rms_norm", x) and x.shape[-1] == weight.numel():
         _used("gemma_rms_norm")
         if residual is None:
             return torch.ops.vo_kernels.gemma_rms_norm(x, weight, eps)
@@ -359,7 +412,11 @@ def rms_norm_gated(
     x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, activation: str = "silu"
 ) -> torch.Tensor:
     """:func:`.rmsnorm.rms_norm_gated` (norm over the last dim, ``silu`` or ``sigmoid`` gate)."""
-    if use_cuda(x) and activation in ("silu", "swish", "sigmoid") and x.shape == z.shape:
+    if (
+        _fused("rms_norm_gated", x)
+        and activation in ("silu", "swish", "sigmoid")
+        and x.shape == z.shape
+    ):
         _used("rms_norm_gated")
         return torch.ops.vo_kernels.rms_norm_gated(x, z, weight, eps, activation == "sigmoid")
     _torch_used("rms_norm_gated", x)
@@ -380,7 +437,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     instead of cuBLAS's host cost; the op itself hands other dtypes and layouts to
     ``at::linear``)."""
     decode_row = bias is None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
-    if decode_row and use_cuda(x):
+    if decode_row and _fused("dense_linear", x):
         _used("dense_linear")
         return torch.ops.vo_kernels.dense_linear(x, weight)
     _torch_used("dense_linear", x, "" if decode_row else "F.linear: not a bias-free decode row")
@@ -427,7 +484,7 @@ def gdn_decode(
     silu = gdn.is_silu(activation)
     norm = z is not None and norm_weight is not None
     ok = (
-        use_cuda(mixed_qkv)
+        _fused("gdn_decode", mixed_qkv)
         and (silu or activation in (None, False))
         and ssm_state.dtype == torch.float32
         and _rows_contiguous(ssm_state)
@@ -494,7 +551,7 @@ def gdn_conv_prep(
     silu = gdn.is_silu(activation)
     nv = 16 // x.element_size()
     ok = (
-        use_cuda(x)
+        _fused("gdn_conv_prep", x)
         and (silu or activation in (None, False))
         and x.dim() == 2
         and x.stride(-1) == 1
@@ -568,7 +625,7 @@ def chunk_gated_delta_rule(
     B_, T_ = q.shape[0], q.shape[1]
     ok = (
         GDN_CHUNK_FUSED
-        and use_cuda(q)
+        and _fused("gdn_chunk_prefill", q)
         and q.dim() == 4
         and k.shape == q.shape
         and v.dim() == 4
@@ -637,7 +694,11 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`.moe.route`: ``(weights [T, k] float32, ids [T, k] int64)``, same tie order."""
     # The kernel's lane groups hold up to 16 picks (Qwen3.5 / 3.6 route to 8 of 256).
-    if use_cuda(logits) and logits.shape[-1] <= 1024 and 1 <= top_k <= min(logits.shape[-1], 16):
+    if (
+        _fused("moe_route", logits)
+        and logits.shape[-1] <= 1024
+        and 1 <= top_k <= min(logits.shape[-1], 16)
+    ):
         _used("moe_route")
         w, ids = torch.ops.vo_kernels.moe_route(logits, top_k, renormalize)
         return w, ids
@@ -664,7 +725,7 @@ def moe_decode(
     Returns:
         ``[T, H]`` in ``x.dtype`` (this rank's partial sum, before the all-reduce).
     """
-    if use_cuda(x) and _moe_decode_fits(x, w13, w2, shared):
+    if _fused("moe_decode", x) and _moe_decode_fits(x, w13, w2, shared):
         _used("moe_decode" if shared is None else "moe_decode_with_shared")
         sh_w13 = sh_w2 = sh_gate = None
         if shared is not None:
@@ -701,7 +762,7 @@ def moe_decode_routed(
     E = w13.shape[0]
     if (
         x.shape[0] <= MOE_ROUTED_MAX_TOKENS
-        and use_cuda(x)
+        and _fused("moe_decode_routed", x)
         and _moe_decode_fits(x, w13, w2, shared)
         and router_logits.dim() == 2
         and router_logits.shape == (x.shape[0], E)
@@ -798,8 +859,11 @@ def moe_prefill(
     """
     global _grouped_gemm_ok
     library = "grouped" if moe.grouped_mm_available(x.device, x.dtype) else "loop"
-    fused = use_cuda(x) and _moe_prefill_fits(x, router_logits, w13, w2, shared, top_k)
+    fused = _fused("moe_prefill", x) and _moe_prefill_fits(x, router_logits, w13, w2, shared, top_k)
     wmma_ok = fused and _grouped_gemm_ok and _grouped_gemm_fits(x, w13, w2)
+    if wmma_ok and not has_ops("moe_grouped_gemm"):  # its source left out of the library
+        _torch_used("moe_grouped_gemm", x)
+        wmma_ok = False
     if method == "auto":
         method = MOE_PREFILL_GEMM
     if method == "auto":  # see MOE_PREFILL_GEMM
@@ -949,7 +1013,7 @@ def qk_norm_rope_gate(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`.qk_norm_rope.qk_norm_rope_gate`: ``(q, k, gate)``, one launch where it runs."""
     ok = (
-        use_cuda(q_gate)
+        _fused("qk_norm_rope_gate", q_gate)
         and q_gate.dim() == 2
         and k.dim() == 2
         and q_gate.stride(-1) == 1
@@ -1032,7 +1096,7 @@ def paged_write_kv(
     op = "paged_write_kv"
     ok = (
         _paged_ok[op]
-        and use_cuda(key)
+        and _fused(op, key)
         and key.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and key.dim() == 3
         and value.shape == key.shape
@@ -1085,7 +1149,7 @@ def paged_decode_attention(
     dv = D // vec if D % vec == 0 else 0
     ok = (
         _paged_ok[op]
-        and use_cuda(query)
+        and _fused(op, query)
         and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and KV > 0
         and key_cache.shape[3] == D
@@ -1151,7 +1215,7 @@ def paged_prefill_attention(
     has_cache = key_cache is not None and value_cache is not None
     ok = (
         _paged_ok[op]
-        and use_cuda(query)
+        and _fused(op, query)
         and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and KV > 0
         and D in (64, 128, 256)

@@ -39,6 +39,8 @@ import pytest  # noqa: E402
 from vllm_overrides.native import gdn_reference as gref  # noqa: E402
 from vllm_overrides.native import kernels, torch_compat  # noqa: E402
 from vllm_overrides.native import moe_reference as mref  # noqa: E402
+from vllm_overrides.native import paged_attention as pa  # noqa: E402
+from vllm_overrides.native import paged_attention_reference as pref  # noqa: E402
 from vllm_overrides.native import qk_norm_rope_reference as qref  # noqa: E402
 from vllm_overrides.native import rmsnorm_reference as rref  # noqa: E402
 
@@ -328,6 +330,34 @@ def _qk_norm_rope() -> dict[str, float]:
     return errs
 
 
+def _paged_attention() -> dict[str, float]:
+    """Two sequences on a paged cache (GQA 2, head 64, blocks of 8, tables in scattered
+    blocks): new keys / values written through their slots (one a pad slot, skipped), a
+    decode step over 20 and 12 cached tokens, and a prefill chunk of 3 new tokens over the
+    first one's cache plus 4 tokens with none cached."""
+    Hq, KVh, Dh, bs = 4, 2, 64, 8
+    kc, vc = pa.split_kv_cache(torch.randn(pa.kv_cache_shape(6, bs, KVh, Dh)))
+    key, value = torch.randn(3, KVh, Dh), torch.randn(3, KVh, Dh)
+    slots = torch.tensor([9, -1, 20])
+    want_k, want_v = pref.write_kv_reference(key, value, kc, vc, slots)
+    kernels.paged_write_kv(key, value, kc, vc, slots)
+    tables = torch.tensor([[1, 3, 5], [4, 2, 0]], dtype=torch.int32)
+    scale = Dh**-0.5
+    q = torch.randn(2, Hq, Dh)
+    lens = torch.tensor([20, 12], dtype=torch.int32)
+    dec = kernels.paged_decode_attention(q, kc, vc, tables, lens, scale, 20)
+    qlens, clens = [3, 4], [20, 0]
+    qp, kp, vp = torch.randn(7, Hq, Dh), torch.randn(7, KVh, Dh), torch.randn(7, KVh, Dh)
+    pre = kernels.paged_prefill_attention(qp, kp, vp, kc, vc, tables, qlens, clens, scale)
+    want_pre = pref.prefill_attention_reference(qp, kp, vp, kc, vc, tables, qlens, clens, scale)
+    return {
+        "paged_write_kv": max(_err(kc, want_k), _err(vc, want_v)),
+        "paged_decode": _err(dec, pref.decode_attention_reference(q, kc, vc, tables, [20, 12],
+                                                                  scale)),
+        "paged_prefill": _err(pre, want_pre),
+    }  # fmt: skip
+
+
 # Each family's runner and the selector ops it must have gone through.
 FAMILIES: dict[str, tuple[Callable[[], dict[str, float]], tuple[str, ...]]] = {
     "RMSNorm": (_rms_norm, ("gemma_rms_norm",)),
@@ -339,6 +369,7 @@ FAMILIES: dict[str, tuple[Callable[[], dict[str, float]], tuple[str, ...]]] = {
     "MoE decode": (_moe_decode, ("moe_decode_routed", "moe_decode_with_shared")),
     "MoE prefill": (_moe_prefill, ("moe_prefill_with_shared",)),
     "qk-norm-rope": (_qk_norm_rope, ("qk_norm_rope_gate",)),
+    "paged attention": (_paged_attention, ("paged_write_kv", "paged_decode", "paged_prefill")),
 }
 
 
@@ -380,10 +411,10 @@ def test_pytorch_path_matches_float64(
     assert not kernels.FUSED_USED
 
 
-def test_fused_kernels_emulated_are_the_ops_used() -> None:
-    """The kernels compiled for host threads under this torch serve every op family: each
-    family's path is ``emulated`` (never ``torch``), results match float64, and the log has
-    one line per op naming the path."""
+def _run_emulated(*hidden: str) -> tuple[dict, str]:
+    """The families in a subprocess on the emulated kernels (``NATIVE_KERNELS=emulate``), with
+    the library ops ``hidden`` reported missing (as from a library built without their source):
+    ``(its JSON result, its log)``."""
     env = dict(os.environ)
     env.update(
         NATIVE_KERNELS="emulate",
@@ -396,18 +427,49 @@ def test_fused_kernels_emulated_are_the_ops_used() -> None:
         str(REPO / "build" / "torch_extensions" / f"py310-torch{torch.__version__.split('+')[0]}"),
     )
     proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=1200
-    )
+        [sys.executable, __file__, *hidden], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=1200,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_fused_kernels_emulated_are_the_ops_used() -> None:
+    """The kernels compiled for host threads under this torch serve every op family: each
+    family's path is ``emulated`` (never ``torch``), results match float64, and the log has
+    one line per op naming the path."""
+    result, log = _run_emulated()
     errs, paths = result["errs"], result["paths"]
     for family, (_, ops) in FAMILIES.items():
         assert _ok(errs[family]), (family, errs[family])
         for op in ops:
             assert paths.get(op) == ["emulated"], (family, op, paths)
-            assert f"[{op}]: fused kernel emulated on host threads" in proc.stderr, op
+            assert f"[{op}]: fused kernel emulated on host threads" in log, op
     assert not [op for op, p in paths.items() if p != ["emulated"]], paths  # no PyTorch path
     assert set(result["fused_used"]) >= {op for _, ops in FAMILIES.values() for op in ops}
+
+
+# moe_prefill.cu's ops: a library whose build left that source out lacks exactly these.
+MOE_PREFILL_CU_OPS = ("moe_route", "moe_route_count", "moe_permute", "moe_order", "moe_act",
+                      "moe_combine")  # fmt: skip
+
+
+def test_a_family_missing_from_the_library_takes_its_pytorch_path_alone() -> None:
+    """The library loads without one source's ops (``moe_prefill.cu``'s: routing and MoE
+    prefill): those selectors take their PyTorch path, each with one log line saying the
+    library was built without them, and every other family still runs on the kernels."""
+    result, log = _run_emulated(*MOE_PREFILL_CU_OPS)
+    errs, paths = result["errs"], result["paths"]
+    for family in FAMILIES:
+        assert _ok(errs[family]), (family, errs[family])
+    for op in ("moe_route", "moe_prefill"):
+        assert paths.get(op) == ["torch"], (op, paths)
+        line = f"[{op}]: PyTorch ops (vo_native_kernels was built without "
+        assert log.count(line) == 1, log[-5000:]
+    others = {op for family, (_, ops) in FAMILIES.items() if family not in ("MoE route",
+              "MoE prefill") for op in ops}  # fmt: skip
+    for op in others:  # MoE decode's ops live in native_kernels.cu: still on the kernels
+        assert paths.get(op) == ["emulated"], (op, paths)
 
 
 def _emulated_main() -> None:
@@ -416,6 +478,10 @@ def _emulated_main() -> None:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     torch.set_num_threads(1)
+    hidden = set(sys.argv[1:])  # library ops to report missing (see _run_emulated)
+    if hidden:
+        has = kernels._lib_has
+        kernels._lib_has = lambda name: name not in hidden and has(name)
     errs = run_families()
     out = {
         "errs": errs,
