@@ -185,9 +185,10 @@ class CheckpointRegistry:
 def keeps_prefix_caching(hf_config: Any) -> bool:
     """Whether a multimodal model keeps V0's prefix caching (patch 0015): vLLM 0.6.3 turns it
     off for every multimodal model because its block hashes cover token ids only, and image
-    pads are the same ids for any image. Ours stop every hit before the prompt's first image
-    or video pad (:func:`first_media`), so a block whose KV depends on an image is never
-    resumed from."""
+    pads are the same ids for any image. Our input processor (``qwen3_5_mm``) puts ids derived
+    from the image's pixels at its positions, so the block hashes see the image; and any plain
+    image / video pad id still in a prompt (one that bypassed it) stops the hit before it
+    (:func:`first_media`)."""
     from .config import MODEL_TYPE
 
     return getattr(hf_config, "model_type", None) == MODEL_TYPE
@@ -290,8 +291,8 @@ def resume_prefix_hit(scheduler: Any, seq_group: Any, num_new_tokens: int) -> in
     if not computed:
         return num_new_tokens
     hashes = _block_hashes(scheduler, seq)
-    # Blocks from the first image pad on hold KV that depends on the image, which the block
-    # hash does not see: never resume past it.
+    # A plain image / video pad id (not replaced by qwen3_5_mm's content-derived ids) means
+    # the block hashes past it do not see the image: never resume past it.
     top = min(len(computed), len(hashes))
     if reg.media_token_ids:
         top = min(top, first_media(seq.get_token_ids(), reg.media_token_ids) // reg.block_size)
