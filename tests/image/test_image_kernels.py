@@ -96,6 +96,25 @@ def test_a_slow_compiler_is_cut_off_at_the_limit(tmp_path: Path) -> None:
     assert not list((tmp_path / "dest").iterdir())
 
 
+def test_each_source_is_judged_on_its_own(tmp_path: Path) -> None:
+    """One source refused, one outliving the limit: each is named with its own reason (the
+    slow one cut off early enough for a link), and with no family left nothing is installed."""
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    for name in ("module.cpp", "refused.cu", "slow.cu"):
+        (csrc / name).write_text("")
+    clang = fake_clang(
+        tmp_path,
+        'case "$*" in *slow.cu*) sleep 600 ;; *module.cpp*) exit 0 ;; *) exit 1 ;; esac',
+    )
+    start = time.monotonic()
+    _, line = kernels_step(tmp_path, 20, {"COREX_CLANG": clang}, csrc=csrc)
+    assert time.monotonic() - start < 60
+    assert line.startswith("kernels: the CoreX clang build failed (no family; left out"), line
+    assert "refused (compile error), slow (timeout)" in line and PYTORCH_OPS in line, line
+    assert not list((tmp_path / "dest").iterdir())
+
+
 def cuda_home_for_clang(tmp: Path, fatbinary: str) -> Path:
     """The CUDA 12.5 headers and ptxas (``cuda_toolchain``) plus a ``fatbinary`` that speaks
     clang 19's ``--image=profile=...`` to a CUDA >= 12.4 fatbinary (``--image3=kind=...``)."""
