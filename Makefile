@@ -8,7 +8,7 @@ MODEL ?= build/tiny-model
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve serve-v1 test lint deploy model clean-venv preflight image-test fuzz load replay cache-sim \
+.PHONY: setup serve serve-v1 test lint deploy model clean-venv preflight preflight-v1 image-test fuzz load replay cache-sim cache-sim-v0 \
 	kernel-resources setup-v0 deploy-v0 test-v0 truncation-v0
 
 # The platform line's stand-in (Python 3.10, torch 2.1.2, vLLM 0.6.3's Python layer):
@@ -81,9 +81,15 @@ test-v0: deploy-v0 model $(ORACLE)
 truncation-v0: deploy-v0 model
 	ADMISSION_TRUNCATION_BOTH=1 $(PY_V0) -m pytest tests/admission/test_lengths.py -k truncation -s $(PYTEST_ARGS)
 
-# Submission preflight: computility-run.yaml, the patch manifest, and the KV-capacity estimate.
-preflight: deploy
-	$(PY) -m vllm_overrides.preflight
+# Submission preflight of the platform line: computility-run.yaml checked with vLLM 0.6.3's own
+# parser, the patch manifest, and the V0 memory model of a BI-V100 at TP 4 (GO when the KV pool
+# holds max_model_len + the block manager's watermark with margin).
+preflight: deploy-v0
+	$(PY_V0) -m vllm_overrides.preflight
+
+# The same for the 0.32.0 reference line's own launch file.
+preflight-v1: deploy
+	$(PY) -m vllm_overrides.preflight --config vllm_overrides/engines/v1_0_32/computility-run.yaml
 
 # The real image (podman, rootful): build it from the Dockerfile, start it from
 # computility-run.yaml with the tiny model at /model, run the server tests against it
@@ -119,6 +125,13 @@ SIM_ARGS ?= --mnbt 8192 12288 16384 --checkpoint 0 1
 cache-sim: setup
 	$(PY) worklogs/generate_official_like_dataset.py --preset replay881 --seed 0 --out build/replay/replay881.jsonl
 	$(PY) worklogs/cache_sim.py --dataset build/replay/replay881.jsonl --out worklogs/results/cache-sim-replay881.json $(SIM_ARGS)
+
+# The same replay on the platform line: a model of vLLM 0.6.3's block manager v2 prefix cache
+# (LRU, block 16) at the V0 preflight's KV pool, a hit only where a GDN checkpoint exists too.
+cache-sim-v0: setup
+	$(PY) worklogs/generate_official_like_dataset.py --preset replay881 --seed 0 --out build/replay/replay881.jsonl
+	$(PY) worklogs/cache_sim.py --engine v0 --dataset build/replay/replay881.jsonl \
+	  --out worklogs/results/cache-sim-replay881-v0.json --checkpoints 16 32 64 128 --policy engine junctions
 
 # Registers, spills and stack of every CUDA kernel, and the instruction mix of each tensor-core
 # kernel's hot loop, from NVIDIA's compiler and disassembler fetched off PyPI (no GPU needed;
