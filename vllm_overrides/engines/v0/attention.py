@@ -233,8 +233,9 @@ class VOPagedMetadataBuilder(CommonMetadataBuilder[VOPagedMetadata]):
         # self.context_lens is filled by super().build(), one entry per sequence, batch order.
         meta.context_lens = list(self.context_lens)
         meta.query_lens = list(query_lens)
+        # The GDN checkpoint plan of the step (hybrid prefix caching; None for other models).
         meta.gdn_plan = prefix_cache.step_plan(
-            self.runner.cache_config, self.input_builder.inter_data_list
+            getattr(self.runner, "cache_config", None), self.input_builder.inter_data_list
         )
         return meta
 
