@@ -721,8 +721,7 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module, HasInnerState, SupportsMulti
             rows = torch.tensor([i for _, i in loads], dtype=torch.long, device=dev)
             states.load(pool, batch.prefill_slots.index_select(0, rows))
         cuts = [
-            [(row[j], row[j + 1]) for j in range(1, len(row) - 1, 2) if row[j] > 0]
-            for row in plan
+            [(row[j], row[j + 1]) for j in range(1, len(row) - 1, 2) if row[j] > 0] for row in plan
         ]
         if any(cuts):
             batch.cuts = cuts
