@@ -1188,7 +1188,7 @@ def check_kv_offload(config: RunConfig, tp: int, layout: KVLayout, gpu_tokens: i
         f"{gib:g} GiB of host memory in /dev/shm ({gib / tp:g} per rank): {chunks:,} blocks = "
         f"{tokens:,} tokens per rank, {tokens / max(gpu_tokens, 1):.1f}x the GPU pool; the "
         "server shrinks it to what /dev/shm and host memory hold, off below "
-        "4 GiB (vllm_overrides/kv_offload_fit.py)"
+        "4 GiB (vllm_overrides/engines/v1_0_32/kv_offload_fit.py)"
     )
     if tokens <= gpu_tokens:
         # An LRU tier no larger than the GPU pool holds what the pool already holds.
